@@ -1,0 +1,1 @@
+"""Conductor Queue: durable Conductor workflows on Celery and Postgres."""

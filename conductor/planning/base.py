@@ -1,0 +1,35 @@
+"""What every planner returns, and the source labels the trace records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from conductor.workflow import Workflow
+
+WorkflowSource = Literal["planner", "request", "fallback", "replay"]
+
+
+@dataclass
+class PlannerUsage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+    calls: int = 0
+    latency_ms: int = 0
+
+
+@dataclass
+class PlanResult:
+    workflow: Workflow
+    source: WorkflowSource
+    format_valid: bool
+    """False when the planner's own output never validated (the workflow is then the fallback's)."""
+    planner: str
+    """What produced the workflow: an agent name or ``template:NAME``."""
+    raw_text: str | None = None
+    """The planner model's last raw output, kept for audit (never contains secrets: it is model text)."""
+    error: str | None = None
+    """Why the planner's output was rejected, when it was."""
+    attempts: int = 0
+    usage: PlannerUsage = field(default_factory=PlannerUsage)

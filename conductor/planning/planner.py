@@ -1,0 +1,83 @@
+"""Chooses how a job gets its workflow: the request's own, a template, or the conductor model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from conductor.planning.base import PlannerUsage, PlanResult
+from conductor.planning.templates import template_workflow
+from conductor.pool.base import Message
+from conductor.pool.config import PoolConfig
+from conductor.pool.errors import ProviderError
+from conductor.pool.registry import provider_for
+from conductor.retry import RetryPolicy
+from conductor.settings import Settings
+from conductor.store.models import Job
+from conductor.workflow import CONDUCTOR_AGENT, Workflow, parse_workflow
+
+
+def job_limits(job: Job, settings: Settings) -> tuple[int, int]:
+    """(max_steps, max_depth) for this job: the request's limits, never above the server's."""
+    return effective_limits(job.limits.get("max_steps"), job.limits.get("max_depth"), settings)
+
+
+def effective_limits(max_steps: int | None, max_depth: int | None, settings: Settings) -> tuple[int, int]:
+    steps = min(max_steps or settings.max_steps, settings.max_steps)
+    depth = min(max_depth if max_depth is not None else settings.max_depth, settings.max_depth)
+    return steps, depth
+
+
+def make_plan(job: Job, *, settings: Settings) -> PlanResult:
+    pool = PoolConfig.model_validate(job.pool_config)
+    max_steps, max_depth = job_limits(job, settings)
+    allow_conductor = job.depth < max_depth
+    if job.request_workflow is not None:
+        wf = parse_workflow(
+            job.request_workflow,
+            agents=pool.worker_names,
+            max_steps=max_steps,
+            max_instruction_chars=settings.max_instruction_chars,
+            allow_conductor=allow_conductor,
+        )
+        return PlanResult(workflow=wf, source="request", format_valid=True, planner="request")
+    planner = pool.planner if job.planner == CONDUCTOR_AGENT else job.planner
+    if planner.startswith("template:"):
+        wf = template_workflow(planner, pool.worker_names, max_steps)
+        return PlanResult(workflow=wf, source="planner", format_valid=True, planner=planner)
+    return _plan_with_agent(job, pool, planner, settings, max_steps=max_steps, allow_conductor=allow_conductor)
+
+
+def _plan_with_agent(
+    job: Job, pool: PoolConfig, agent: str, settings: Settings, *, max_steps: int, allow_conductor: bool
+) -> PlanResult:
+    from conductor.planning.conductor_planner import plan_with_model
+
+    config = pool.agents[agent]
+    provider = provider_for(agent, config)
+    fallback: Callable[[], Workflow] = lambda: template_workflow(pool.fallback, pool.worker_names, max_steps)  # noqa: E731
+    context = [Message(m["role"], m["content"]) for m in (job.context or [])]
+    policy = RetryPolicy.from_settings(settings)
+    attempt = 1
+    while True:
+        try:
+            return plan_with_model(
+                job.task,
+                pool,
+                provider,
+                agent,
+                max_steps=max_steps,
+                max_instruction_chars=settings.max_instruction_chars,
+                allow_conductor=allow_conductor,
+                fallback=fallback,
+                context=context or None,
+                max_tokens=min(config.max_tokens, 4096),
+            )
+        except ProviderError as exc:
+            if not policy.should_retry(attempt, exc):
+                raise
+            time.sleep(policy.delay(attempt, exc))
+            attempt += 1
+
+
+__all__ = ["PlanResult", "PlannerUsage", "job_limits", "make_plan"]

@@ -1,0 +1,51 @@
+"""The one small contract every provider implements: messages + options -> a Completion."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant"]
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    content: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """Per-call options. ``json_schema`` asks the backend to constrain output to that schema when it can."""
+
+    temperature: float = 0.2
+    max_tokens: int = 4096
+    timeout_s: float = 300.0
+    json_schema: dict[str, Any] | None = None
+    attempt: int = 1
+    """1-based attempt number of the step this call serves (the sim provider scripts failures on it)."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    input_tokens: int
+    output_tokens: int
+    finish_reason: str
+    model: str
+    latency_ms: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Provider(ABC):
+    """A configured model endpoint. Implementations raise only ``conductor.pool.errors`` types."""
+
+    name: str = "base"
+    supports_json_schema: bool = False
+
+    @abstractmethod
+    def complete(self, messages: list[Message], options: CallOptions) -> Completion: ...

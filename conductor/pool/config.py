@@ -1,0 +1,152 @@
+"""The worker pool file: which agents exist, how to reach them, what they cost."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from conductor.workflow import CONDUCTOR_AGENT
+
+ProviderName = Literal["openai", "anthropic", "gemini", "openai_compatible", "local", "sim"]
+TEMPLATE_PLANNERS = ("single", "fanout", "pev", "moa")
+DEFAULT_TEMPERATURE = 0.2
+DEFAULT_MAX_TOKENS = 4096
+POOL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class PoolError(ValueError):
+    """A pool file that cannot be used; the message names the file and every bad entry."""
+
+
+class Price(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input_per_mtok: float = Field(default=0.0, ge=0)
+    output_per_mtok: float = Field(default=0.0, ge=0)
+
+    def cost(self, input_tokens: int, output_tokens: int) -> float:
+        return (input_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1_000_000
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    provider: ProviderName
+    model: str = ""
+    base_url: str | None = None
+    api_key_env: str | None = None
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0, le=2)
+    max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=200_000)
+    price: Price = Field(default_factory=Price)
+    rpm: int | None = Field(default=None, ge=1)
+    description: str = ""
+    timeout_s: float | None = Field(default=None, gt=0)
+    structured_output: bool = True
+    """Whether to ask this backend for schema-constrained output when it plans (vLLM, OpenAI, llama.cpp)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Provider-specific options, validated by the provider (e.g. sim: latency_ms, reply, fail_times)."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Z_][A-Z0-9_]*", v):
+            raise ValueError("must be the NAME of an environment variable (e.g. OPENAI_API_KEY), never a key")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_model(self) -> AgentConfig:
+        if self.provider != "sim" and not self.model:
+            raise ValueError(f"provider '{self.provider}' needs 'model'")
+        return self
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "default"
+    planner: str = "template:single"
+    fallback: str = "template:single"
+    agents: dict[str, AgentConfig]
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolConfig:
+        if not self.agents:
+            raise ValueError("a pool needs at least one agent")
+        if CONDUCTOR_AGENT in self.agents:
+            raise ValueError(f"'{CONDUCTOR_AGENT}' is reserved for the planner itself; rename that agent")
+        for field_name in ("planner", "fallback"):
+            value = getattr(self, field_name)
+            check_planner_ref(value, self.agents, field_name)
+        if self.fallback not in template_refs():
+            raise ValueError("fallback must be a template planner: " + ", ".join(template_refs()))
+        return self
+
+    @property
+    def worker_names(self) -> list[str]:
+        """Agents that may run steps, in pool order: the numbering the conductor prompt shows.
+
+        The planner agent is not among them: a workflow reaches the planner as ``conductor``.
+        """
+        return [name for name in self.agents if name != self.planner] or list(self.agents)
+
+
+def template_refs() -> list[str]:
+    return [f"template:{t}" for t in TEMPLATE_PLANNERS]
+
+
+def check_planner_ref(value: str, agents: dict[str, AgentConfig], field_name: str = "planner") -> None:
+    if value in template_refs() or value in agents or value == CONDUCTOR_AGENT:
+        return
+    raise ValueError(
+        f"{field_name} '{value}' is neither an agent of this pool nor one of {', '.join(template_refs())}"
+    )
+
+
+def load_pool(path: Path, name: str | None = None) -> PoolConfig:
+    """Reads and validates a YAML pool file; every bad entry is named in the error."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PoolError(f"cannot read pool file {path}: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PoolError(f"pool file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PoolError(f"pool file {path} must be a mapping with 'agents'")
+    data.setdefault("name", name or path.stem)
+    try:
+        return PoolConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(pool)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise PoolError(f"pool file {path} is invalid: {problems}") from exc
+
+
+def resolve_pool_path(
+    name_or_file: str | None, *, default_file: Path, pools_dirs: list[Path], allow_path: bool = False
+) -> Path:
+    """A pool is named (a ``NAME.yaml`` in one of ``pools_dirs``) or, from the CLI only, a file path.
+
+    API clients may only name pools: a path from a request would let a tenant read server files.
+    """
+    if not name_or_file:
+        return default_file
+    candidate = Path(name_or_file)
+    if allow_path and candidate.suffix in (".yaml", ".yml"):
+        if not candidate.exists():
+            raise PoolError(f"pool file {candidate} does not exist")
+        return candidate
+    if not POOL_NAME_RE.fullmatch(name_or_file):
+        raise PoolError(f"unknown pool '{name_or_file}': not a pool name and no such file")
+    for directory in pools_dirs:
+        for suffix in (".yaml", ".yml"):
+            path = directory / f"{name_or_file}{suffix}"
+            if path.exists():
+                return path
+    known = sorted({p.stem for d in pools_dirs if d.is_dir() for p in d.glob("*.y*ml")})
+    raise PoolError(f"unknown pool '{name_or_file}'; known pools: {', '.join(known) or '(none)'}")

@@ -1,0 +1,52 @@
+"""Agent config -> a Provider instance. The only place that knows which class serves which provider."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import ValidationError
+
+from conductor.pool.base import Provider
+from conductor.pool.config import AgentConfig
+from conductor.pool.errors import ConfigError
+
+
+def build_provider(agent: str, config: AgentConfig) -> Provider:
+    try:
+        return _build(agent, config)
+    except ValidationError as exc:
+        raise ConfigError(f"agent '{agent}': bad options: {exc.errors()[0]['msg']}") from exc
+
+
+def _build(agent: str, config: AgentConfig) -> Provider:
+    if config.provider == "sim":
+        from conductor.pool.sim import SimOptions, SimProvider
+
+        return SimProvider(agent, SimOptions.model_validate(config.options))
+    if config.provider in ("openai", "openai_compatible"):
+        from conductor.pool.openai_provider import OpenAIProvider
+
+        return OpenAIProvider(agent, config)
+    if config.provider == "anthropic":
+        from conductor.pool.anthropic_provider import AnthropicProvider
+
+        return AnthropicProvider(agent, config)
+    if config.provider == "gemini":
+        from conductor.pool.gemini_provider import GeminiProvider
+
+        return GeminiProvider(agent, config)
+    if config.provider == "local":
+        from conductor.pool.local_provider import LocalProvider
+
+        return LocalProvider(agent, config)
+    raise ConfigError(f"agent '{agent}': unknown provider '{config.provider}'")
+
+
+def provider_for(agent: str, config: AgentConfig) -> Provider:
+    """Providers are reused per process (they hold HTTP connection pools), keyed by their full config."""
+    return _cached(agent, config.model_dump_json())
+
+
+@lru_cache(maxsize=128)
+def _cached(agent: str, config_json: str) -> Provider:
+    return build_provider(agent, AgentConfig.model_validate_json(config_json))

@@ -1,0 +1,66 @@
+"""The reconciler: Postgres says what is done; this re-drives whatever is due but stalled.
+
+Celery is the fast path. Messages can still be lost (Redis restarted, a SIGKILLed worker whose message
+waits out the visibility timeout, a send that failed after the commit). Each pass looks for:
+- jobs accepted but never enqueued (broker down at submit) or whose plan message vanished;
+- jobs stuck in ``planning`` longer than a step lease (the planner's worker died);
+- running jobs: steps queued long ago but never claimed, running steps whose lease expired (their
+  worker died), steps whose dependencies are done but were never dispatched, and jobs whose steps
+  are all done but were never finalized.
+Every re-send is safe to duplicate: plan, claim and finalize are conditional updates.
+
+Recovery bound: stalled work is re-sent within ``reconcile_stale_s + reconcile_interval_s`` of
+stalling; a crashed worker's step within ``step_lease_s + reconcile_interval_s``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from conductor.engine import Dispatch, advance
+from conductor.settings import Settings
+from conductor.store import jobs as store
+from conductor.store.db import session_scope
+from conductor.store.models import JobStatus, StepStatus, utcnow
+
+
+def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
+    now = utcnow()
+    stale = now - timedelta(seconds=settings.reconcile_stale_s)
+    dispatch = Dispatch()
+    report: dict[str, Any] = {}
+    with session_scope() as s:
+        never = store.jobs_never_enqueued(s, older_than=now)
+        lost = store.jobs_stuck_queued(s, older_than=stale)
+        stuck = store.jobs_stuck_planning(s, older_than=now - timedelta(seconds=settings.step_lease_s))
+        for job_id in stuck:
+            store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
+        running = store.running_job_ids(s, older_than=now)
+        resend: list[tuple[str, int]] = []
+        for job_id in running:
+            for step in store.get_steps(s, job_id=job_id):
+                overdue = step.status == StepStatus.QUEUED and step.queued_at is not None and step.queued_at < stale
+                expired = (
+                    step.status == StepStatus.RUNNING
+                    and step.child_job_id is None
+                    and step.lease_expires_at is not None
+                    and step.lease_expires_at < now
+                )
+                if overdue or expired:
+                    resend.append((job_id, step.index))
+                    if overdue and step.id is not None:
+                        store.update_step(s, step_id=step.id, queued_at=now)
+    dispatch.plan += [*never, *lost, *stuck]
+    dispatch.steps += resend
+    for job_id in running:
+        dispatch += advance(job_id)
+    report.update(
+        never_enqueued=len(never),
+        lost_plan=len(lost),
+        stuck_planning=len(stuck),
+        running_jobs=len(running),
+        resent_steps=len(resend),
+        dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize),
+    )
+    return report, dispatch

@@ -1,0 +1,236 @@
+"""The REST API. Errors are RFC 9457 problem+json; every read and write is scoped to the caller's tenant."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlmodel import Session
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conductor.engine import cancel_job
+from conductor.service.views import job_links, job_view, step_view
+from conductor.settings import Settings, get_settings
+from conductor.store import jobs as store
+from conductor.store.db import get_engine
+from conductor.store.keys import tenant_for_key
+from conductor.store.models import JobStatus
+from conductor.submission import IdempotencyConflict, JobCreate, SubmissionError, create_job
+
+log = logging.getLogger(__name__)
+PROBLEM = "application/problem+json"
+DEFAULT_TENANT = "default"
+MAX_LIST_LIMIT = 200
+
+
+class Problem(Exception):
+    def __init__(self, status: int, title: str, detail: str = "", errors: list[dict[str, Any]] | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(detail or title)
+        self.status, self.title, self.detail, self.errors, self.headers = status, title, detail, errors, headers
+
+
+def problem_response(status: int, title: str, detail: str = "", errors: list[dict[str, Any]] | None = None,
+                     headers: dict[str, str] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"type": "about:blank", "title": title, "status": status, "detail": detail or title}
+    if errors:
+        body["errors"] = errors
+    return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
+
+
+# --- dependencies ---------------------------------------------------------------------------------
+
+
+def settings_dep() -> Settings:
+    return get_settings()
+
+
+SettingsDep = Annotated[Settings, Depends(settings_dep)]
+
+
+def session_dep(settings: SettingsDep) -> Iterator[Session]:
+    with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(session_dep)]
+
+
+def tenant_dep(
+    session: SessionDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+) -> str:
+    if not settings.auth_required:
+        return DEFAULT_TENANT
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <key>'; create one with "
+                      "'conductor keys create --tenant NAME'", headers={"WWW-Authenticate": "Bearer"})
+    tenant = tenant_for_key(session, key=key.strip(), pepper=settings.api_key_pepper)
+    if tenant is None:
+        raise Problem(401, "Unauthorized", "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+    return tenant
+
+
+TenantDep = Annotated[str, Depends(tenant_dep)]
+
+
+# --- the app --------------------------------------------------------------------------------------
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="Conductor Queue", version="0.1.0")
+    _install_error_handlers(app)
+    _install_body_limit(app)
+
+    @app.get("/healthz")
+    def healthz(session: SessionDep) -> dict[str, Any]:
+        session.connection().exec_driver_sql("SELECT 1")
+        return {"status": "ok"}
+
+    @app.post("/v1/jobs", status_code=202)
+    def submit_job(
+        body: JobCreate,
+        request: Request,
+        response: Response,
+        session: SessionDep,
+        tenant: TenantDep,
+        settings: SettingsDep,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> dict[str, Any]:
+        from conductor.tasks.send import enqueue_plan
+
+        job, created = create_job(
+            session, body, tenant=tenant, settings=settings, idempotency_key=idempotency_key
+        )
+        session.commit()  # durable before any message is sent: an accepted job is never lost
+        enqueued = enqueue_plan(job.id) if created else True
+        if not created:
+            response.headers["Idempotent-Replayed"] = "true"
+        response.headers["Location"] = f"/v1/jobs/{job.id}"
+        return {"id": job.id, "status": job.status, "enqueued": enqueued, "links": job_links(job.id)}
+
+    @app.get("/v1/jobs")
+    def list_jobs(
+        session: SessionDep,
+        tenant: TenantDep,
+        status: Annotated[str | None, Query(max_length=16)] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 50,
+    ) -> dict[str, Any]:
+        jobs = store.list_jobs(session, tenant=tenant, status=status, limit=limit)
+        data = [
+            {"id": j.id, "status": j.status, "task": j.task[:200], "created_at": j.created_at.isoformat(),
+             "finished_at": j.finished_at.isoformat() if j.finished_at else None, "links": job_links(j.id)}
+            for j in jobs
+        ]
+        return {"data": data, "count": len(data)}
+
+    @app.get("/v1/jobs/{job_id}")
+    def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+        job = _job_or_404(session, job_id, tenant)
+        return job_view(job, store.get_steps(session, job_id=job.id))
+
+    @app.get("/v1/jobs/{job_id}/steps")
+    def get_steps(job_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+        job = _job_or_404(session, job_id, tenant)
+        data = _steps_tree(session, job.id, depth=0)
+        return {"data": data, "count": len(data)}
+
+    @app.post("/v1/jobs/{job_id}/cancel", status_code=202)
+    def cancel(job_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+        job = _job_or_404(session, job_id, tenant)
+        if job.status in JobStatus.TERMINAL:
+            raise Problem(409, "Job already finished", f"job {job.id} is {job.status}; nothing to cancel")
+        cancel_job(job.id)
+        session.expire_all()
+        job = _job_or_404(session, job_id, tenant)
+        return {"id": job.id, "status": job.status, "links": job_links(job.id)}
+
+    return app
+
+
+def _job_or_404(session: Session, job_id: str, tenant: str) -> Any:
+    job = store.get_job(session, job_id=job_id[:64], tenant=tenant)
+    if job is None:
+        raise Problem(404, "Job not found", f"no job '{job_id[:64]}' for this API key")
+    return job
+
+
+MAX_TREE_DEPTH = 6
+
+
+def _steps_tree(session: Session, job_id: str, depth: int) -> list[dict[str, Any]]:
+    """Steps with each recursive step's child job (and its steps) nested under it."""
+    steps = store.get_steps(session, job_id=job_id)
+    attempts = store.get_attempts(session, step_ids=[s.id for s in steps if s.id is not None])
+    out = []
+    for st in steps:
+        view = step_view(st, [a for a in attempts if a.step_id == st.id])
+        if st.child_job_id and depth < MAX_TREE_DEPTH:
+            child = store.get_job(session, job_id=st.child_job_id)
+            if child is not None:
+                view["child"] = {
+                    "job_id": child.id,
+                    "status": child.status,
+                    "depth": child.depth,
+                    "workflow_source": child.workflow_source,
+                    "answer": child.answer,
+                    "steps": _steps_tree(session, child.id, depth + 1),
+                }
+        out.append(view)
+    return out
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(Problem)
+    async def _problem(_: Request, exc: Problem) -> JSONResponse:
+        return problem_response(exc.status, exc.title, exc.detail, exc.errors, exc.headers)
+
+    @app.exception_handler(SubmissionError)
+    async def _submission(_: Request, exc: SubmissionError) -> JSONResponse:
+        return problem_response(exc.status, exc.title, str(exc), [e.as_dict() for e in exc.errors])
+
+    @app.exception_handler(IdempotencyConflict)
+    async def _idem(_: Request, exc: IdempotencyConflict) -> JSONResponse:
+        return problem_response(422, "Idempotency-Key reused", str(exc),
+                                [{"loc": ["header", "Idempotency-Key"], "msg": str(exc)}])
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
+        return problem_response(422, "Invalid request", "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors), errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return problem_response(exc.status_code, str(exc.detail), str(exc.detail))
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(DBAPIError)
+    async def _db_down(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable: %s", type(exc).__name__)
+        return problem_response(503, "Database unavailable", "the job store cannot be reached; retry shortly",
+                                headers={"Retry-After": "5"})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return problem_response(500, "Internal error", "an unexpected error occurred; it has been logged")
+
+
+def _install_body_limit(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        limit = get_settings().max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return problem_response(413, "Request body too large", f"the limit is {limit} bytes")
+        if request.method in ("POST", "PUT", "PATCH"):
+            body = await request.body()  # cached by Starlette for the route
+            if len(body) > limit:
+                return problem_response(413, "Request body too large", f"the limit is {limit} bytes")
+        return await call_next(request)

@@ -1,0 +1,1 @@
+"""Persistence: tables in ``models``, engines in ``db``, data-access functions in ``jobs`` and ``keys``."""

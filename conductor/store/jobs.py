@@ -1,0 +1,209 @@
+"""Data access for jobs, steps and attempts. Every state change is a conditional update, so a
+duplicated or redelivered message can never move a row backwards or run finished work twice."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlmodel import Session, col, select
+
+from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus, utcnow
+
+
+def get_job(session: Session, *, job_id: str, tenant: str | None = None) -> Job | None:
+    """A job by id; with ``tenant`` given, another tenant's job is simply not found."""
+    stmt = select(Job).where(Job.id == job_id)
+    if tenant is not None:
+        stmt = stmt.where(Job.tenant == tenant)
+    return session.exec(stmt).first()
+
+
+def get_job_by_idempotency_key(session: Session, *, tenant: str, key: str) -> Job | None:
+    return session.exec(select(Job).where(Job.tenant == tenant, Job.idempotency_key == key)).first()
+
+
+def list_jobs(
+    session: Session, *, tenant: str, status: str | None = None, limit: int = 50, before: datetime | None = None
+) -> list[Job]:
+    stmt = select(Job).where(Job.tenant == tenant, col(Job.parent_job_id).is_(None))
+    if status:
+        stmt = stmt.where(Job.status == status)
+    if before:
+        stmt = stmt.where(Job.created_at < before)
+    return list(session.exec(stmt.order_by(col(Job.created_at).desc()).limit(limit)))
+
+
+def get_steps(session: Session, *, job_id: str) -> list[Step]:
+    return list(session.exec(select(Step).where(Step.job_id == job_id).order_by(col(Step.index))))
+
+
+def get_step(session: Session, *, job_id: str, index: int) -> Step | None:
+    return session.exec(select(Step).where(Step.job_id == job_id, Step.index == index)).first()
+
+
+def get_attempts(session: Session, *, step_ids: Sequence[int]) -> list[StepAttempt]:
+    if not step_ids:
+        return []
+    stmt = select(StepAttempt).where(col(StepAttempt.step_id).in_(step_ids)).order_by(
+        col(StepAttempt.step_id), col(StepAttempt.n)
+    )
+    return list(session.exec(stmt))
+
+
+def get_children(session: Session, *, job_id: str) -> list[Job]:
+    return list(session.exec(select(Job).where(Job.parent_job_id == job_id)))
+
+
+def transition_job(session: Session, *, job_id: str, from_: Sequence[str], to: str, **values: Any) -> bool:
+    """Moves a job to ``to`` only from one of ``from_``; returns whether this caller won."""
+    stmt = (
+        sa.update(Job)
+        .where(col(Job.id) == job_id, col(Job.status).in_(list(from_)))
+        .values(status=to, updated_at=utcnow(), **values)
+    )
+    return _rowcount(session.execute(stmt)) == 1
+
+
+def update_job(session: Session, *, job_id: str, **values: Any) -> None:
+    session.execute(sa.update(Job).where(col(Job.id) == job_id).values(updated_at=utcnow(), **values))
+
+
+def insert_steps(session: Session, *, steps: Sequence[Step]) -> None:
+    session.add_all(steps)
+    session.flush()
+
+
+def mark_steps_queued(session: Session, *, job_id: str, indices: Sequence[int]) -> list[int]:
+    """pending -> queued for each index; returns the indices this caller moved (and must dispatch)."""
+    won = []
+    now = utcnow()
+    for index in indices:
+        stmt = (
+            sa.update(Step)
+            .where(col(Step.job_id) == job_id, col(Step.index) == index, col(Step.status) == StepStatus.PENDING)
+            .values(status=StepStatus.QUEUED, queued_at=now)
+        )
+        if _rowcount(session.execute(stmt)) == 1:
+            won.append(index)
+    return won
+
+
+def claim_step(
+    session: Session, *, job_id: str, index: int, worker: str, lease_s: float, task_id: str | None
+) -> Step | None:
+    """queued -> running (or re-take a running step whose lease expired: its worker died).
+
+    Returns the claimed step, or None when the step is finished, running elsewhere, or not due.
+    """
+    now = utcnow()
+    claimable = sa.or_(
+        col(Step.status) == StepStatus.QUEUED,
+        sa.and_(
+            col(Step.status) == StepStatus.RUNNING,
+            col(Step.child_job_id).is_(None),
+            col(Step.lease_expires_at) < now,
+        ),
+    )
+    stmt = (
+        sa.update(Step)
+        .where(col(Step.job_id) == job_id, col(Step.index) == index, claimable)
+        .values(
+            status=StepStatus.RUNNING,
+            lease_owner=worker,
+            lease_expires_at=now + timedelta(seconds=lease_s),
+            started_at=sa.func.coalesce(col(Step.started_at), now),
+            celery_task_id=task_id,
+        )
+    )
+    if _rowcount(session.execute(stmt)) != 1:
+        return None
+    step = get_step(session, job_id=job_id, index=index)
+    if step is not None:
+        session.refresh(step)
+    return step
+
+
+def start_attempt(session: Session, *, step: Step, worker: str) -> StepAttempt:
+    assert step.id is not None
+    n = int(
+        session.execute(
+            sa.select(sa.func.coalesce(sa.func.max(StepAttempt.n), 0)).where(col(StepAttempt.step_id) == step.id)
+        ).scalar_one()
+    ) + 1
+    attempt = StepAttempt(step_id=step.id, n=n, worker=worker)
+    session.add(attempt)
+    session.execute(sa.update(Step).where(col(Step.id) == step.id).values(attempts=n))
+    session.flush()
+    return attempt
+
+
+def finish_attempt(
+    session: Session, *, attempt_id: int, latency_ms: int, error_type: str | None = None, error: str | None = None
+) -> None:
+    session.execute(
+        sa.update(StepAttempt)
+        .where(col(StepAttempt.id) == attempt_id)
+        .values(finished_at=utcnow(), latency_ms=latency_ms, error_type=error_type, error=error)
+    )
+
+
+def finish_step(session: Session, *, step_id: int, to: str, from_: Sequence[str], **values: Any) -> bool:
+    """Records a step's one final outcome; a second completion of the same step changes nothing."""
+    stmt = (
+        sa.update(Step)
+        .where(col(Step.id) == step_id, col(Step.status).in_(list(from_)))
+        .values(status=to, finished_at=utcnow(), lease_expires_at=None, **values)
+    )
+    return _rowcount(session.execute(stmt)) == 1
+
+
+def update_step(session: Session, *, step_id: int, **values: Any) -> None:
+    session.execute(sa.update(Step).where(col(Step.id) == step_id).values(**values))
+
+
+def close_open_steps(session: Session, *, job_id: str, to: str, include_running: bool = False) -> int:
+    """Marks every not-yet-finished step ``to`` (skipped on failure, cancelled on cancel)."""
+    open_states = [StepStatus.PENDING, StepStatus.QUEUED]
+    if include_running:
+        open_states.append(StepStatus.RUNNING)
+    stmt = (
+        sa.update(Step)
+        .where(col(Step.job_id) == job_id, col(Step.status).in_(open_states))
+        .values(status=to, finished_at=utcnow(), lease_expires_at=None)
+    )
+    return _rowcount(session.execute(stmt))
+
+
+# --- what the reconciler looks for ----------------------------------------------------------------
+
+
+def jobs_never_enqueued(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:
+    stmt = select(Job.id).where(
+        Job.status == JobStatus.QUEUED, col(Job.enqueued_at).is_(None), Job.created_at < older_than
+    )
+    return list(session.exec(stmt.limit(limit)))
+
+
+def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:
+    """Queued jobs whose plan message was sent but never picked up (lost message)."""
+    stmt = select(Job.id).where(
+        Job.status == JobStatus.QUEUED, col(Job.enqueued_at).is_not(None), col(Job.enqueued_at) < older_than
+    )
+    return list(session.exec(stmt.limit(limit)))
+
+
+def jobs_stuck_planning(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:
+    stmt = select(Job.id).where(Job.status == JobStatus.PLANNING, Job.updated_at < older_than)
+    return list(session.exec(stmt.limit(limit)))
+
+
+def running_job_ids(session: Session, *, older_than: datetime, limit: int = 500) -> list[str]:
+    stmt = select(Job.id).where(Job.status == JobStatus.RUNNING, Job.updated_at < older_than)
+    return list(session.exec(stmt.limit(limit)))
+
+
+def _rowcount(result: Any) -> int:
+    return int(getattr(result, "rowcount", 0) or 0)

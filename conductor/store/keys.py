@@ -1,0 +1,33 @@
+"""API keys: only a salted SHA-256 of each key is stored; the key itself is shown once, at creation."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from sqlmodel import Session, col, select
+
+from conductor.store.models import ApiKey
+
+KEY_PREFIX = "cq_"
+
+
+def hash_key(key: str, pepper: str = "") -> str:
+    # Keys are 256-bit random tokens, so a fast keyed hash is enough (no dictionary to attack).
+    return hmac.new(pepper.encode(), key.encode(), hashlib.sha256).hexdigest()
+
+
+def create_key(session: Session, *, tenant: str, pepper: str = "") -> tuple[ApiKey, str]:
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(tenant=tenant, prefix=key[:10], key_hash=hash_key(key, pepper))
+    session.add(row)
+    session.flush()
+    return row, key
+
+
+def tenant_for_key(session: Session, *, key: str, pepper: str = "") -> str | None:
+    row = session.exec(
+        select(ApiKey).where(ApiKey.key_hash == hash_key(key, pepper), col(ApiKey.revoked_at).is_(None))
+    ).first()
+    return row.tenant if row else None

@@ -1,0 +1,173 @@
+"""Turning a client's request into a committed job: validation with field-level reasons, limits,
+pool resolution, idempotency. Shared by the API, the CLI and embedded mode."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session
+
+from conductor.planning.planner import effective_limits
+from conductor.pool.config import PoolConfig, PoolError, check_planner_ref, load_pool, resolve_pool_path
+from conductor.settings import SHIPPED_POOLS_DIR, Settings
+from conductor.store import jobs as store
+from conductor.store.models import Job
+from conductor.workflow import CONDUCTOR_AGENT, FieldError, WorkflowError, parse_workflow
+
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_steps: int | None = Field(default=None, ge=1, le=50)
+    max_depth: int | None = Field(default=None, ge=0, le=5)
+    max_cost_usd: float | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0)
+    deadline_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(min_length=1, description="The job: a question, a coding task, a research brief.")
+    pool: str | None = Field(default=None, max_length=64)
+    planner: str | None = Field(default=None, max_length=128)
+    workflow: dict[str, Any] | None = None
+    limits: Limits = Field(default_factory=Limits)
+    webhook_url: HttpUrl | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("task")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be blank")
+        return v
+
+
+class SubmissionError(ValueError):
+    """A request that cannot become a job; ``status`` is the HTTP status it maps to."""
+
+    def __init__(self, status: int, title: str, errors: list[FieldError]):
+        self.status = status
+        self.title = title
+        self.errors = errors
+        super().__init__(f"{title}: " + "; ".join(str(e) for e in errors))
+
+
+class IdempotencyConflict(ValueError):
+    """The Idempotency-Key was used before with a different request body."""
+
+
+def pools_dirs(settings: Settings) -> list[Path]:
+    return [settings.pool_file.parent, SHIPPED_POOLS_DIR]
+
+
+def resolve_pool(name: str | None, settings: Settings, *, allow_path: bool = False) -> PoolConfig:
+    path = resolve_pool_path(
+        name, default_file=settings.pool_file, pools_dirs=pools_dirs(settings), allow_path=allow_path
+    )
+    return load_pool(path)
+
+
+def request_hash(body: JobCreate) -> str:
+    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def validate_request(body: JobCreate, settings: Settings, *, allow_pool_path: bool = False) -> PoolConfig:
+    """Every check that can reject a request, before anything is stored."""
+    if len(body.task) > settings.max_task_chars:
+        raise SubmissionError(
+            413,
+            "Task too large",
+            [FieldError(("body", "task"), f"{len(body.task)} characters; the limit is {settings.max_task_chars}")],
+        )
+    if len(json.dumps(body.metadata)) > settings.max_metadata_bytes:
+        raise SubmissionError(
+            413, "Metadata too large", [FieldError(("body", "metadata"), f"over {settings.max_metadata_bytes} bytes")]
+        )
+    try:
+        pool = resolve_pool(body.pool, settings, allow_path=allow_pool_path)
+    except PoolError as exc:
+        raise SubmissionError(422, "Unknown pool", [FieldError(("body", "pool"), str(exc))]) from exc
+    planner = body.planner or CONDUCTOR_AGENT
+    try:
+        check_planner_ref(planner, pool.agents)
+    except ValueError as exc:
+        raise SubmissionError(422, "Unknown planner", [FieldError(("body", "planner"), str(exc))]) from exc
+    if body.workflow is not None:
+        max_steps, max_depth = effective_limits(body.limits.max_steps, body.limits.max_depth, settings)
+        try:
+            parse_workflow(
+                body.workflow,
+                agents=pool.worker_names,
+                max_steps=max_steps,
+                max_instruction_chars=settings.max_instruction_chars,
+                allow_conductor=max_depth > 0,
+                loc=("body", "workflow"),
+            )
+        except WorkflowError as exc:
+            raise SubmissionError(422, "Invalid workflow", exc.errors) from exc
+    return pool
+
+
+def create_job(
+    session: Session,
+    body: JobCreate,
+    *,
+    tenant: str,
+    settings: Settings,
+    idempotency_key: str | None = None,
+    allow_pool_path: bool = False,
+) -> tuple[Job, bool]:
+    """Validates and inserts the job (not yet committed). Returns (job, created); with a repeated
+    Idempotency-Key and the same body, the earlier job and False."""
+    digest = request_hash(body)
+    if idempotency_key is not None:
+        if not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+            raise SubmissionError(
+                400, "Bad Idempotency-Key", [FieldError(("header", "Idempotency-Key"), "must be 1-255 characters")]
+            )
+        existing = store.get_job_by_idempotency_key(session, tenant=tenant, key=idempotency_key)
+        if existing is not None:
+            return _replayed(existing, digest)
+    pool = validate_request(body, settings, allow_pool_path=allow_pool_path)
+    job = Job(
+        tenant=tenant,
+        task=body.task,
+        pool=pool.name,
+        pool_config=pool.model_dump(mode="json"),
+        planner=body.planner or CONDUCTOR_AGENT,
+        request_workflow=body.workflow,
+        limits=body.limits.model_dump(mode="json"),
+        meta=body.metadata,
+        webhook_url=str(body.webhook_url) if body.webhook_url else None,
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+    )
+    session.add(job)
+    try:
+        session.flush()
+    except IntegrityError:
+        # Two requests with one key raced; the other one committed first.
+        session.rollback()
+        existing = store.get_job_by_idempotency_key(session, tenant=tenant, key=idempotency_key or "")
+        if existing is None:
+            raise
+        return _replayed(existing, digest)
+    return job, True
+
+
+def _replayed(existing: Job, digest: str) -> tuple[Job, bool]:
+    if existing.request_hash != digest:
+        raise IdempotencyConflict(
+            "this Idempotency-Key was already used with a different request body; use a new key"
+        )
+    return existing, False

@@ -1,0 +1,20 @@
+"""Test-wide settings: every test talks to the test database and an isolated Redis db."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+TEST_ENV = {
+    "CONDUCTOR_DATABASE_URL": os.environ.get(
+        "CONDUCTOR_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/conductor_test"
+    ),
+    "CONDUCTOR_BROKER_URL": os.environ.get("CONDUCTOR_TEST_BROKER_URL", "redis://127.0.0.1:6379/5"),
+    "CONDUCTOR_RESULT_BACKEND": os.environ.get("CONDUCTOR_TEST_RESULT_BACKEND", "redis://127.0.0.1:6379/6"),
+    "CONDUCTOR_POOL_FILE": str(TESTS / "pools" / "sim.yaml"),
+    "CONDUCTOR_AUTH_REQUIRED": "true",
+    "CONDUCTOR_RETRY_BACKOFF_BASE_S": "0.05",
+    "CONDUCTOR_RETRY_BACKOFF_MAX_S": "0.2",
+}
+os.environ.update(TEST_ENV)

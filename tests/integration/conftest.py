@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+import sqlalchemy as sa
+
+from conductor.settings import get_settings
+from conductor.store.db import get_engine, session_scope
+from conductor.store.keys import create_key
+from tests.integration.harness import Proc, start_api, start_worker
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def proc_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clean_state() -> None:
+    get_settings.cache_clear()
+    settings = get_settings()
+    with get_engine(settings.database_url).begin() as conn:
+        conn.execute(sa.text("TRUNCATE step_attempt, step, job, api_key RESTART IDENTITY CASCADE"))
+    redis.Redis.from_url(settings.broker_url).flushdb()
+
+
+@pytest.fixture(scope="session")
+def workers(proc_env: dict[str, str]) -> Iterator[list[Proc]]:
+    procs = [start_worker(proc_env, "w1", concurrency=8)]
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def api(proc_env: dict[str, str]) -> Iterator[str]:
+    proc, url = start_api(proc_env)
+    yield url
+    proc.stop()
+
+
+def new_key(tenant: str) -> str:
+    with session_scope() as s:
+        _, key = create_key(s, tenant=tenant, pepper=get_settings().api_key_pepper)
+    return key
+
+
+@pytest.fixture(scope="session")
+def client(api: str, workers: list[Proc]) -> Iterator[httpx.Client]:
+    key = new_key("tenant-a")
+    with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        yield c

@@ -1,0 +1,104 @@
+"""Real processes for integration tests: Celery workers and the API (uvicorn) on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGS = Path(os.environ.get("CONDUCTOR_TEST_LOGS", "/tmp/conductor-test-logs"))
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process whose output goes to a log file, shown when a test fails."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.log_path = LOGS / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
+        self.log = self.log_path.open("wb")
+        self.popen = subprocess.Popen(
+            argv, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_for_log(self, needle: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.log_path.read_text(errors="replace"):
+                return
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited early:\n{self.tail()}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} did not log {needle!r} within {timeout}s:\n{self.tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+        self.popen.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+
+def start_worker(env: dict[str, str], name: str, queues: str = "planner,steps", concurrency: int = 8) -> Proc:
+    argv = [sys.executable, "-m", "conductor.cli", "worker", "--queues", queues, "--concurrency", str(concurrency),
+            "--hostname", f"{name}@%h", "--loglevel", "info"]
+    proc = Proc(name, argv, env)
+    proc.wait_for_log("ready.")
+    return proc
+
+
+def start_api(env: dict[str, str]) -> tuple[Proc, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "uvicorn", "conductor.service.app:create_app", "--factory",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    proc = Proc("api", argv, env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"api exited early:\n{proc.tail()}")
+        time.sleep(0.1)
+    raise RuntimeError(f"api did not become healthy:\n{proc.tail()}")
+
+
+def wait_terminal(client: httpx.Client, job_id: str, timeout: float = 90) -> dict[str, Any]:
+    """Polls until the job ends. The timeout only keeps a broken run from hanging; it asserts nothing."""
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job.get("status") in TERMINAL:
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} did not finish; last seen: {job}")
