@@ -1,0 +1,136 @@
+"""``anthropic``: the Messages API through the ``anthropic`` SDK.
+
+The SDK (2.x) speaks API version 2026-10-21, which rejects sampling parameters (``temperature``,
+``top_p``, ``top_k``) on every model, so none are sent: ``CallOptions.temperature`` does not apply.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import cached_property
+from typing import Any, cast
+
+import anthropic
+from anthropic.types import Message as AnthropicMessage
+from anthropic.types import MessageParam
+from pydantic import BaseModel, ConfigDict
+
+from conductor.pool.api_keys import read_api_key
+from conductor.pool.base import CallOptions, Completion, Message, Provider
+from conductor.pool.chat_turns import to_conversation
+from conductor.pool.config import AgentConfig
+from conductor.pool.errors import BadRequest, ConfigError, ProviderError
+from conductor.pool.http_errors import (
+    connection_failed,
+    error_for_status,
+    malformed_response,
+    scrub,
+    timed_out,
+)
+
+DEFAULT_ANTHROPIC_KEY_ENV = "ANTHROPIC_API_KEY"
+_CLIENT_PLACEHOLDER_KEY = "unset"
+"""The shared client never sends a request itself; each call uses a copy that carries the real key."""
+
+FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+"""Anthropic's ``stop_reason`` in the vocabulary every provider reports (OpenAI's)."""
+
+
+class AnthropicOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AnthropicProvider(Provider):
+    name = "anthropic"
+    supports_json_schema = True
+
+    def __init__(self, agent: str, config: AgentConfig):
+        if config.provider != "anthropic":
+            raise ConfigError(f"agent '{agent}': AnthropicProvider cannot serve provider '{config.provider}'")
+        self.agent = agent
+        self.config = config
+        self.options = AnthropicOptions.model_validate(config.options)
+        self.where = f"anthropic agent '{agent}'"
+
+    @cached_property
+    def _client(self) -> anthropic.Anthropic:
+        # Built on first use (after any worker fork); retries are ours, not the SDK's.
+        return anthropic.Anthropic(
+            api_key=_CLIENT_PLACEHOLDER_KEY, base_url=self.config.base_url, max_retries=0
+        )
+
+    def complete(self, messages: list[Message], options: CallOptions) -> Completion:
+        api_key = read_api_key(self.config.api_key_env or DEFAULT_ANTHROPIC_KEY_ENV, where=self.where)
+        client = self._client.with_options(api_key=api_key)
+        conversation = to_conversation(messages)
+        turns = [{"role": t.role, "content": t.text} for t in conversation.turns]
+        started = time.monotonic()
+        try:
+            response = client.messages.create(
+                model=self.config.model,
+                max_tokens=options.max_tokens,
+                messages=cast("list[MessageParam]", turns),
+                system=conversation.system if conversation.system is not None else anthropic.omit,
+                output_config=self._output_config(options),
+                timeout=options.timeout_s,
+            )
+        except (anthropic.AnthropicError, ValueError) as exc:
+            raise self._error(exc, options, api_key) from None
+        latency_ms = int((time.monotonic() - started) * 1000)
+        return self._completion(response, latency_ms, api_key)
+
+    def _output_config(self, options: CallOptions) -> Any:
+        if options.json_schema is None or not self.config.structured_output:
+            return anthropic.omit
+        return {"format": {"type": "json_schema", "schema": options.json_schema}}
+
+    def _completion(self, response: object, latency_ms: int, api_key: str) -> Completion:
+        if not isinstance(response, AnthropicMessage):
+            raise malformed_response(self.where, "expected a JSON message object", secret=api_key)
+        try:
+            text = "".join(block.text for block in response.content if block.type == "text")
+            input_tokens = response.usage.input_tokens
+            output_tokens = response.usage.output_tokens
+            stop_reason = response.stop_reason
+            model = response.model or self.config.model
+        except (AttributeError, TypeError) as exc:
+            raise malformed_response(self.where, f"missing field ({exc})", secret=api_key) from None
+        if not (isinstance(input_tokens, int) and isinstance(output_tokens, int)):
+            raise malformed_response(self.where, "usage has the wrong type", secret=api_key)
+        raw_reason = str(stop_reason) if stop_reason is not None else "unknown"
+        return Completion(
+            text=text,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            finish_reason=FINISH_REASONS.get(raw_reason, raw_reason),
+            model=str(model),
+            latency_ms=latency_ms,
+            extra={"id": getattr(response, "id", None), "stop_reason": raw_reason},
+        )
+
+    def _error(self, exc: Exception, options: CallOptions, api_key: str) -> ProviderError:
+        if isinstance(exc, anthropic.APITimeoutError):  # before APIConnectionError: it is a subclass
+            return timed_out(self.where, options.timeout_s)
+        if isinstance(exc, anthropic.APIConnectionError):
+            return connection_failed(self.where, str(exc.__cause__ or exc), secret=api_key)
+        if isinstance(exc, anthropic.APIStatusError):
+            return error_for_status(
+                exc.status_code,
+                exc.api_message or exc.message,
+                where=self.where,
+                headers=exc.response.headers,
+                secret=api_key,
+            )
+        if isinstance(exc, anthropic.APIResponseValidationError | json.JSONDecodeError):
+            return malformed_response(self.where, f"{type(exc).__name__}: {exc}", secret=api_key)
+        if isinstance(exc, ValueError):
+            return BadRequest(f"{self.where}: the SDK refused the request: {scrub(str(exc), api_key)}")
+        return ProviderError(f"{self.where}: {type(exc).__name__}: {scrub(str(exc), api_key)}")

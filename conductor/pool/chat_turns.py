@@ -1,0 +1,39 @@
+"""Our message list -> the (system, alternating turns) shape Anthropic and Gemini require."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from conductor.pool.base import Message
+
+TurnRole = Literal["user", "assistant"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: TurnRole
+    text: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: str | None
+    turns: list[Turn]
+
+
+def to_conversation(messages: list[Message]) -> Conversation:
+    """System messages are pulled out (joined in order); consecutive same-role turns are merged,
+    because both APIs reject two user (or two assistant) turns in a row."""
+    system_parts: list[str] = []
+    turns: list[Turn] = []
+    for message in messages:
+        if message.role == "system":
+            system_parts.append(message.content)
+            continue
+        role: TurnRole = "user" if message.role == "user" else "assistant"
+        if turns and turns[-1].role == role:
+            turns[-1] = Turn(role, f"{turns[-1].text}\n\n{message.content}")
+        else:
+            turns.append(Turn(role, message.content))
+    return Conversation(system="\n\n".join(system_parts) if system_parts else None, turns=turns)

@@ -1,0 +1,101 @@
+"""HTTP outcomes -> our typed provider errors; shared by every SDK-backed provider.
+
+Each provider unpacks its own SDK's exception (status, headers, the server's message) and hands the
+pieces here, so which status is retryable is decided in one place.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from collections.abc import Mapping
+
+from conductor.pool.errors import (
+    AuthError,
+    BadRequest,
+    ProviderError,
+    ProviderTimeout,
+    RateLimited,
+    ServerError,
+)
+
+MAX_DETAIL_CHARS = 300
+REDACTED = "[redacted]"
+
+
+def parse_retry_after(headers: Mapping[str, str] | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` or ``retry-after`` (delta-seconds or an HTTP-date)."""
+    if not headers:
+        return None
+    millis = headers.get("retry-after-ms")
+    if millis:
+        try:
+            return max(0.0, float(millis) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    current = time.time() if now is None else now
+    return max(0.0, when.timestamp() - current)
+
+
+def scrub(text: str, secret: str | None) -> str:
+    """Removes the API key from a message a server or SDK produced, and keeps it short."""
+    if secret:
+        text = text.replace(secret, REDACTED)
+    if len(text) > MAX_DETAIL_CHARS:
+        text = text[:MAX_DETAIL_CHARS] + "..."
+    return text
+
+
+def error_for_status(
+    status: int,
+    detail: str,
+    *,
+    where: str,
+    headers: Mapping[str, str] | None = None,
+    fallback_retry_after: float | None = None,
+    secret: str | None = None,
+) -> ProviderError:
+    """The typed error for an HTTP error status.
+
+    A 429's wait comes from the ``retry-after`` headers, else from ``fallback_retry_after`` (a hint the
+    provider put in the body).
+    """
+    message = f"{where}: HTTP {status}: {scrub(detail, secret) or 'no detail'}"
+    if status == 429:
+        wait = parse_retry_after(headers)
+        if wait is None:
+            wait = fallback_retry_after
+        return RateLimited(message, retry_after=wait, status=status)
+    if status in (401, 403):
+        return AuthError(message, status=status)
+    if status == 408:
+        return ProviderTimeout(message, status=status)
+    if status >= 500:
+        return ServerError(message, status=status)
+    # 400, 404, 422 and the rest of 4xx: the request itself is wrong, so retrying cannot help.
+    return BadRequest(message, status=status)
+
+
+def timed_out(where: str, timeout_s: float) -> ProviderTimeout:
+    return ProviderTimeout(f"{where}: no response within {timeout_s:g}s")
+
+
+def connection_failed(where: str, detail: str, *, secret: str | None = None) -> ServerError:
+    return ServerError(f"{where}: connection failed: {scrub(detail, secret)}")
+
+
+def malformed_response(where: str, detail: str, *, secret: str | None = None) -> ServerError:
+    """A 2xx whose body is not the shape the provider promises: retryable, the next reply may be fine."""
+    return ServerError(f"{where}: malformed response body: {scrub(detail, secret)}")

@@ -1,0 +1,159 @@
+"""``openai`` and ``openai_compatible``: Chat Completions through the ``openai`` SDK.
+
+A compatible server (vLLM, llama.cpp server, ...) is configuration, a ``base_url``, not another class.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import cached_property
+from typing import Any, cast
+
+import openai
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+from pydantic import BaseModel, ConfigDict, Field
+
+from conductor.pool.api_keys import read_api_key
+from conductor.pool.base import CallOptions, Completion, Message, Provider
+from conductor.pool.config import AgentConfig
+from conductor.pool.errors import BadRequest, ConfigError, ProviderError
+from conductor.pool.http_errors import (
+    connection_failed,
+    error_for_status,
+    malformed_response,
+    scrub,
+    timed_out,
+)
+
+DEFAULT_OPENAI_KEY_ENV = "OPENAI_API_KEY"
+NO_KEY_PLACEHOLDER = "not-needed"
+"""Sent to compatible servers that take no key; the SDK insists on having one."""
+SCHEMA_NAME = "workflow"
+
+
+class OpenAIOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Extra JSON fields for the request body (e.g. vLLM's ``chat_template_kwargs``)."""
+
+
+class OpenAIProvider(Provider):
+    name = "openai"
+    supports_json_schema = True
+
+    def __init__(self, agent: str, config: AgentConfig):
+        if config.provider not in ("openai", "openai_compatible"):
+            raise ConfigError(f"agent '{agent}': OpenAIProvider cannot serve provider '{config.provider}'")
+        if config.provider == "openai_compatible" and not config.base_url:
+            raise ConfigError(f"agent '{agent}': provider 'openai_compatible' needs 'base_url'")
+        self.agent = agent
+        self.config = config
+        self.name = config.provider
+        self.options = OpenAIOptions.model_validate(config.options)
+        self.where = f"{config.provider} agent '{agent}'"
+
+    @cached_property
+    def _client(self) -> openai.OpenAI:
+        # Built on first use (after any worker fork). It holds a placeholder key only: each call
+        # gets a cheap copy carrying the key read at that moment. Retries are ours, not the SDK's.
+        return openai.OpenAI(api_key=NO_KEY_PLACEHOLDER, base_url=self.config.base_url, max_retries=0)
+
+    def _api_key(self) -> str:
+        env_name = self.config.api_key_env
+        if env_name is None and self._is_openai:
+            env_name = DEFAULT_OPENAI_KEY_ENV
+        if env_name is None:
+            return NO_KEY_PLACEHOLDER
+        return read_api_key(env_name, where=self.where)
+
+    def complete(self, messages: list[Message], options: CallOptions) -> Completion:
+        api_key = self._api_key()
+        client = self._client.with_options(api_key=api_key)
+        started = time.monotonic()
+        try:
+            response = client.chat.completions.create(
+                model=self.config.model,
+                messages=cast("list[ChatCompletionMessageParam]", [m.as_dict() for m in messages]),
+                temperature=options.temperature,
+                # OpenAI's reasoning models reject max_tokens; many compatible servers only know it.
+                max_completion_tokens=options.max_tokens if self._is_openai else openai.omit,
+                max_tokens=openai.omit if self._is_openai else options.max_tokens,
+                response_format=self._response_format(options),
+                extra_body=self.options.extra_body or None,
+                timeout=options.timeout_s,
+            )
+        except (openai.OpenAIError, ValueError) as exc:
+            raise self._error(exc, options, api_key) from None
+        latency_ms = int((time.monotonic() - started) * 1000)
+        return self._completion(response, latency_ms, api_key)
+
+    @property
+    def _is_openai(self) -> bool:
+        return self.config.provider == "openai"
+
+    def _response_format(self, options: CallOptions) -> Any:
+        if options.json_schema is None or not self.config.structured_output:
+            return openai.omit
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": SCHEMA_NAME, "schema": options.json_schema, "strict": True},
+        }
+
+    def _completion(self, response: object, latency_ms: int, api_key: str) -> Completion:
+        if not isinstance(response, ChatCompletion):
+            raise malformed_response(self.where, "expected a JSON chat.completion object", secret=api_key)
+        try:
+            choice = response.choices[0]
+            message = choice.message
+            text = message.content if message.content is not None else (message.refusal or "")
+            usage = response.usage
+            input_tokens = usage.prompt_tokens if usage is not None else 0
+            output_tokens = usage.completion_tokens if usage is not None else 0
+            finish_reason = choice.finish_reason or "unknown"
+            model = response.model or self.config.model
+        except (AttributeError, IndexError, TypeError) as exc:
+            raise malformed_response(self.where, f"missing field ({exc})", secret=api_key) from None
+        if not (isinstance(text, str) and isinstance(input_tokens, int) and isinstance(output_tokens, int)):
+            raise malformed_response(self.where, "content or usage has the wrong type", secret=api_key)
+        return Completion(
+            text=text,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            finish_reason=str(finish_reason),
+            model=str(model),
+            latency_ms=latency_ms,
+            extra={"id": getattr(response, "id", None), "usage_reported": usage is not None},
+        )
+
+    def _error(self, exc: Exception, options: CallOptions, api_key: str) -> ProviderError:
+        if isinstance(exc, openai.APITimeoutError):  # before APIConnectionError: it is a subclass
+            return timed_out(self.where, options.timeout_s)
+        if isinstance(exc, openai.APIConnectionError):
+            return connection_failed(self.where, str(exc.__cause__ or exc), secret=api_key)
+        if isinstance(exc, openai.APIStatusError):
+            return error_for_status(
+                exc.status_code,
+                _error_detail(exc.body, exc.message),
+                where=self.where,
+                headers=exc.response.headers,
+                secret=api_key,
+            )
+        if isinstance(exc, openai.APIResponseValidationError | json.JSONDecodeError):
+            # JSONDecodeError: a 2xx that says JSON but is not (the SDK's json.loads raised).
+            return malformed_response(self.where, f"{type(exc).__name__}: {exc}", secret=api_key)
+        if isinstance(exc, ValueError):
+            return BadRequest(f"{self.where}: the SDK refused the request: {scrub(str(exc), api_key)}")
+        return ProviderError(f"{self.where}: {type(exc).__name__}: {scrub(str(exc), api_key)}")
+
+
+def _error_detail(body: object, fallback: str) -> str:
+    """The server's own message: OpenAI-style bodies put it at ``error.message``."""
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return str(inner["message"])
+    if isinstance(body, str) and body:
+        return body
+    return fallback

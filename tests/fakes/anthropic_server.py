@@ -1,0 +1,74 @@
+"""A loopback Anthropic Messages server (``POST /v1/messages``); ``base_url`` is the bare origin."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tests.fakes.http_base import (
+    FakeProviderServer,
+    RecordedRequest,
+    Reply,
+    count_words,
+    drop,
+    error,
+    hang,
+    malformed,
+    ok,
+    texts_in,
+)
+
+__all__ = ["FakeAnthropicServer", "Reply", "drop", "error", "hang", "malformed", "ok"]
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+class FakeAnthropicServer(FakeProviderServer):
+    route = re.compile(r"^/v1/messages$")
+
+    def success_body(self, request: RecordedRequest, match: re.Match[str], reply: Reply, text: str) -> Any:
+        body = request.body if isinstance(request.body, dict) else {}
+        input_tokens = reply.input_tokens
+        if input_tokens is None:
+            prompt = [body.get("system", ""), body.get("messages", [])]
+            input_tokens = sum(count_words(t) for t in texts_in(prompt))
+        return {
+            "id": self.next_id("msg_fake"),
+            "type": "message",
+            "role": "assistant",
+            "model": reply.model or body.get("model", "fake-model"),
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": reply.finish_reason or "end_turn",
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": input_tokens,
+                "output_tokens": reply.output_tokens
+                if reply.output_tokens is not None
+                else count_words(text),
+            },
+        }
+
+    def error_body(self, status: int, message: str) -> Any:
+        kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def presented_key(self, request: RecordedRequest) -> str | None:
+        # SDK 2.x sends ``Authorization: Bearer``; older clients send ``x-api-key`` (which wins).
+        if "x-api-key" in request.headers:
+            return request.headers["x-api-key"]
+        auth = request.headers.get("authorization", "")
+        return auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
+
+    def last_message_text(self, body: Any) -> str:
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+            return " ".join(texts_in(messages[-1].get("content", "")))
+        return ""

@@ -1,0 +1,326 @@
+"""OpenAIProvider with the real ``openai`` SDK against a loopback server speaking Chat Completions."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from conductor.pool.base import CallOptions, Message
+from conductor.pool.config import AgentConfig
+from conductor.pool.errors import (
+    AuthError,
+    BadRequest,
+    ConfigError,
+    ProviderError,
+    ProviderTimeout,
+    RateLimited,
+    ServerError,
+)
+from conductor.pool.openai_provider import OpenAIProvider
+from conductor.pool.registry import build_provider
+from tests.fakes.openai_server import FakeOpenAIServer, Reply, drop, error, hang, malformed, ok
+
+KEY_ENV = "CONDUCTOR_TEST_OPENAI_KEY"
+SECRET = "sk-test-5ecret-0123456789"
+MESSAGES = [
+    Message("system", "You are terse."),
+    Message("user", "Name a colour."),
+    Message("assistant", "Blue."),
+    Message("user", "Another one."),
+]
+SHORT_TIMEOUT = CallOptions(timeout_s=0.3)
+WORKFLOW_SCHEMA = {
+    "type": "object",
+    "properties": {"steps": {"type": "array", "items": {"type": "string"}}},
+    "required": ["steps"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, SECRET)
+
+
+@pytest.fixture
+def server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer(api_key=SECRET) as srv:
+        yield srv
+
+
+def make_provider(
+    srv: FakeOpenAIServer, provider: str = "openai", api_key_env: str | None = KEY_ENV, **fields: object
+) -> OpenAIProvider:
+    config = AgentConfig.model_validate(
+        {
+            "provider": provider,
+            "model": "gpt-test",
+            "base_url": srv.base_url,
+            "api_key_env": api_key_env,
+            **fields,
+        }
+    )
+    return OpenAIProvider("writer", config)
+
+
+def raised_by(provider: OpenAIProvider, options: CallOptions = SHORT_TIMEOUT) -> ProviderError:
+    with pytest.raises(ProviderError) as info:
+        provider.complete(MESSAGES, options)
+    return info.value
+
+
+# -- success -------------------------------------------------------------------------------------
+
+
+def test_success_reports_text_usage_finish_reason_and_model(server: FakeOpenAIServer) -> None:
+    server.script(
+        ok("Green.", input_tokens=21, output_tokens=2, finish_reason="length", model="gpt-test-0613")
+    )
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert completion.text == "Green."
+    assert (completion.input_tokens, completion.output_tokens) == (21, 2)
+    assert completion.finish_reason == "length"
+    assert completion.model == "gpt-test-0613"
+    assert completion.latency_ms >= 0
+
+
+def test_messages_model_and_temperature_go_on_the_wire_unchanged(server: FakeOpenAIServer) -> None:
+    make_provider(server).complete(MESSAGES, CallOptions(temperature=0.7))
+
+    (body,) = server.bodies
+    assert body["model"] == "gpt-test"
+    assert body["messages"] == [m.as_dict() for m in MESSAGES]
+    assert body["temperature"] == 0.7
+    assert "response_format" not in body
+    assert server.requests[0].path == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(
+    ("provider", "sent", "not_sent"),
+    [
+        ("openai", "max_completion_tokens", "max_tokens"),
+        ("openai_compatible", "max_tokens", "max_completion_tokens"),
+    ],
+)
+def test_token_limit_field_depends_on_the_provider_kind(
+    server: FakeOpenAIServer, provider: str, sent: str, not_sent: str
+) -> None:
+    make_provider(server, provider=provider).complete(MESSAGES, CallOptions(max_tokens=123))
+
+    (body,) = server.bodies
+    assert body[sent] == 123
+    assert not_sent not in body
+
+
+def test_json_schema_becomes_strict_response_format(server: FakeOpenAIServer) -> None:
+    make_provider(server).complete(MESSAGES, CallOptions(json_schema=WORKFLOW_SCHEMA))
+
+    assert server.bodies[0]["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "workflow", "schema": WORKFLOW_SCHEMA, "strict": True},
+    }
+
+
+def test_no_response_format_when_structured_output_is_off(server: FakeOpenAIServer) -> None:
+    provider = make_provider(server, provider="openai_compatible", structured_output=False)
+
+    provider.complete(MESSAGES, CallOptions(json_schema=WORKFLOW_SCHEMA))
+
+    assert "response_format" not in server.bodies[0]
+
+
+def test_extra_body_option_is_merged_into_the_request(server: FakeOpenAIServer) -> None:
+    provider = make_provider(
+        server, provider="openai_compatible", options={"extra_body": {"chat_template_kwargs": {"x": 1}}}
+    )
+
+    provider.complete(MESSAGES, CallOptions())
+
+    assert server.bodies[0]["chat_template_kwargs"] == {"x": 1}
+
+
+def test_unknown_option_is_a_config_error() -> None:
+    config = AgentConfig(provider="openai", model="m", options={"temprature": 1})
+    with pytest.raises(ConfigError, match="agent 'w'"):
+        build_provider("w", config)
+
+
+def test_registry_serves_both_kinds_with_this_class() -> None:
+    for kind in ("openai", "openai_compatible"):
+        config = AgentConfig(provider=kind, model="m", base_url="http://127.0.0.1:9/v1")
+        provider = build_provider("w", config)
+        assert isinstance(provider, OpenAIProvider)
+        assert provider.name == kind
+        assert provider.supports_json_schema
+
+
+def test_compatible_server_needs_a_base_url() -> None:
+    with pytest.raises(ConfigError, match="base_url"):
+        OpenAIProvider("w", AgentConfig(provider="openai_compatible", model="m"))
+
+
+# -- API keys ------------------------------------------------------------------------------------
+
+
+def test_key_is_read_from_the_environment_at_call_time(
+    server: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    provider = make_provider(server)
+    provider.complete(MESSAGES, CallOptions())
+    monkeypatch.setenv(KEY_ENV, "sk-rotated")
+
+    err = raised_by(provider)
+
+    assert isinstance(err, AuthError)
+    assert err.status == 401
+    assert [r.headers["authorization"] for r in server.requests] == [f"Bearer {SECRET}", "Bearer sk-rotated"]
+
+
+def test_missing_key_for_openai_names_the_variable_and_sends_nothing(
+    server: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(KEY_ENV)
+
+    err = raised_by(make_provider(server))
+
+    assert isinstance(err, AuthError)
+    assert KEY_ENV in str(err)
+    assert server.requests == []
+
+
+def test_openai_without_api_key_env_uses_openai_api_key(
+    server: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    err = raised_by(make_provider(server, api_key_env=None))
+    assert isinstance(err, AuthError)
+    assert "OPENAI_API_KEY" in str(err)
+
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    assert make_provider(server, api_key_env=None).complete(MESSAGES, CallOptions()).text
+
+
+def test_compatible_server_without_key_gets_a_placeholder() -> None:
+    with FakeOpenAIServer() as srv:
+        provider = make_provider(srv, provider="openai_compatible", api_key_env=None)
+        provider.complete(MESSAGES, CallOptions())
+        assert srv.requests[0].headers["authorization"] == "Bearer not-needed"
+
+
+# -- failures map to our typed errors -------------------------------------------------------------
+
+
+def test_429_carries_retry_after_and_is_not_retried_by_the_sdk(server: FakeOpenAIServer) -> None:
+    server.script(error(429, "slow down", retry_after="7"))
+
+    err = raised_by(make_provider(server))
+
+    assert isinstance(err, RateLimited)
+    assert err.retry_after == 7
+    assert err.retryable
+    assert len(server.requests) == 1
+
+
+def test_429_without_retry_after_has_no_hint(server: FakeOpenAIServer) -> None:
+    server.script(error(429))
+    err = raised_by(make_provider(server))
+    assert isinstance(err, RateLimited)
+    assert err.retry_after is None
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (500, ServerError),
+        (503, ServerError),
+        (400, BadRequest),
+        (404, BadRequest),
+        (422, BadRequest),
+        (401, AuthError),
+        (403, AuthError),
+    ],
+)
+def test_http_status_maps_to_error_type(server: FakeOpenAIServer, status: int, expected: type) -> None:
+    server.script(error(status, f"scripted {status}"))
+
+    err = raised_by(make_provider(server))
+
+    assert type(err) is expected
+    assert err.status == status
+    assert f"scripted {status}" in str(err)
+    assert len(server.requests) == 1  # the SDK's own retries are off
+
+
+def test_server_slower_than_timeout_is_a_provider_timeout(server: FakeOpenAIServer) -> None:
+    server.script(hang(3))
+    started = time.monotonic()
+
+    err = raised_by(make_provider(server), CallOptions(timeout_s=0.3))
+
+    assert isinstance(err, ProviderTimeout)
+    assert time.monotonic() - started < 1.5
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        malformed(),
+        Reply(body={"unexpected": "shape"}),
+        Reply(body={"choices": [], "model": "m"}),
+        Reply(body="<html>gateway</html>", headers={"content-type": "text/html"}),
+    ],
+    ids=["truncated-json", "wrong-shape", "no-choices", "not-json"],
+)
+def test_malformed_body_is_a_retryable_server_error(server: FakeOpenAIServer, reply: Reply) -> None:
+    server.script(reply)
+
+    err = raised_by(make_provider(server))
+
+    assert isinstance(err, ServerError)
+    assert "malformed response" in str(err)
+
+
+def test_dropped_connection_is_a_server_error(server: FakeOpenAIServer) -> None:
+    server.script(drop())
+    assert isinstance(raised_by(make_provider(server)), ServerError)
+
+
+def test_refused_connection_is_a_server_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = AgentConfig(
+        provider="openai_compatible", model="m", base_url=f"http://127.0.0.1:{port}/v1", api_key_env=KEY_ENV
+    )
+
+    err = raised_by(OpenAIProvider("w", config))
+
+    assert isinstance(err, ServerError)
+    assert "connection failed" in str(err)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        error(400, f"invalid key {SECRET} supplied"),
+        error(500, f"upstream said {SECRET}"),
+        error(429, SECRET, retry_after="1"),
+        hang(3),
+        malformed(f'{{"echo": "{SECRET}"'.encode()),
+        drop(),
+    ],
+    ids=["400-echo", "500-echo", "429-echo", "timeout", "malformed-echo", "drop"],
+)
+def test_api_key_never_appears_in_an_error(server: FakeOpenAIServer, reply: Reply) -> None:
+    server.script(reply)
+
+    err = raised_by(make_provider(server))
+
+    assert SECRET not in str(err)
+    assert SECRET not in repr(err)
+    assert err.__cause__ is None and err.__suppress_context__
