@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     broker_url: str = DEFAULT_BROKER_URL
     result_backend: str = DEFAULT_RESULT_BACKEND
     pool_file: Path = DEFAULT_POOL_FILE
+    pools_dir: Path | None = None
+    """Where named pools (``"pool": "NAME"`` -> ``NAME.yaml``) are looked up first; then beside the
+    default pool file, then the shipped pools."""
     data_dir: Path = Field(default_factory=_default_data_dir)
     auth_required: bool = True
 

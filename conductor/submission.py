@@ -66,7 +66,8 @@ class IdempotencyConflict(ValueError):
 
 
 def pools_dirs(settings: Settings) -> list[Path]:
-    return [settings.pool_file.parent, SHIPPED_POOLS_DIR]
+    dirs = [settings.pool_file.parent, SHIPPED_POOLS_DIR]
+    return [settings.pools_dir, *dirs] if settings.pools_dir else dirs
 
 
 def resolve_pool(name: str | None, settings: Settings, *, allow_path: bool = False) -> PoolConfig:

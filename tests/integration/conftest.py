@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,8 +18,17 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="session")
-def proc_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+def pools_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Named pools written by tests (e.g. pointing at a loopback planner) are found here."""
+    path = tmp_path_factory.mktemp("pools")
+    os.environ["CONDUCTOR_POOLS_DIR"] = str(path)
+    get_settings.cache_clear()
+    return path
+
+
+@pytest.fixture(scope="session")
+def proc_env(pools_dir: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "CONDUCTOR_POOLS_DIR": str(pools_dir)}
 
 
 @pytest.fixture(scope="session", autouse=True)
