@@ -21,6 +21,8 @@ class SimOptions(BaseModel):
     fail_times: int = Field(default=0, ge=0)
     """Fail the first N attempts of each step (by attempt number, so it holds across processes)."""
     error: SimErrorKind = "server"
+    fail_with: list[SimErrorKind] = Field(default_factory=list, max_length=20)
+    """Attempt n fails with ``fail_with[n-1]`` while n <= len(fail_with): scripts mixed failures."""
     always_fail: bool = False
     retry_after_s: float | None = Field(default=None, ge=0)
 
@@ -42,8 +44,10 @@ class SimProvider(Provider):
         started = time.monotonic()
         if self.options.latency_ms:
             time.sleep(self.options.latency_ms / 1000)
+        if options.attempt <= len(self.options.fail_with):
+            raise self._error(self.options.fail_with[options.attempt - 1])
         if self.options.always_fail or options.attempt <= self.options.fail_times:
-            raise self._error()
+            raise self._error(self.options.error)
         instruction = messages[-1].content if messages else ""
         text = self.options.reply if self.options.reply is not None else f"[{self.agent}] {instruction}"
         return Completion(
@@ -55,8 +59,7 @@ class SimProvider(Provider):
             latency_ms=int((time.monotonic() - started) * 1000),
         )
 
-    def _error(self) -> ProviderError:
-        kind = self.options.error
+    def _error(self, kind: SimErrorKind) -> ProviderError:
         if kind == "rate_limit":
             return RateLimited("sim: rate limited", retry_after=self.options.retry_after_s)
         if kind == "timeout":

@@ -1,0 +1,103 @@
+"""Promises the API makes: idempotency, tenant isolation, size limits, cancellation, failure semantics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from tests.integration.conftest import new_key
+from tests.integration.harness import wait_terminal
+
+
+def wf(model_ids: list[str], access: list[Any]) -> dict[str, Any]:
+    return {"model_ids": model_ids, "subtasks": [f"part {i}" for i in range(len(model_ids))], "access_lists": access}
+
+
+def run(client: httpx.Client, model_ids: list[str], access: list[Any]) -> dict[str, Any]:
+    created = client.post("/v1/jobs", json={"task": "t", "workflow": wf(model_ids, access)})
+    assert created.status_code == 202, created.text
+    return wait_terminal(client, created.json()["id"])
+
+
+def test_idempotency_key_returns_the_same_job(client: httpx.Client) -> None:
+    body = {"task": "idempotent task", "workflow": wf(["a"], [[]])}
+    first = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "key-1"})
+    again = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "key-1"})
+    assert first.status_code == again.status_code == 202
+    assert first.json()["id"] == again.json()["id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    other = client.post("/v1/jobs", json={**body, "task": "different"}, headers={"Idempotency-Key": "key-1"})
+    assert other.status_code == 422 and other.json()["errors"][0]["loc"] == ["header", "Idempotency-Key"]
+    assert wait_terminal(client, first.json()["id"])["status"] == "succeeded"
+
+
+def test_another_tenants_job_is_not_found(client: httpx.Client, api: str) -> None:
+    job_id = client.post("/v1/jobs", json={"task": "tenant a's secret", "workflow": wf(["a"], [[]])}).json()["id"]
+    with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {new_key('tenant-b')}"}) as other:
+        assert other.get(f"/v1/jobs/{job_id}").status_code == 404
+        assert other.get(f"/v1/jobs/{job_id}/steps").status_code == 404
+        assert other.post(f"/v1/jobs/{job_id}/cancel").status_code == 404
+        assert job_id not in [j["id"] for j in other.get("/v1/jobs").json()["data"]]
+        # The same idempotency key in another tenant is another job.
+        body = {"task": "t", "workflow": wf(["a"], [[]])}
+        mine = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "shared"}).json()["id"]
+        theirs = other.post("/v1/jobs", json=body, headers={"Idempotency-Key": "shared"}).json()["id"]
+        assert mine != theirs
+    assert job_id in [j["id"] for j in client.get("/v1/jobs").json()["data"]]
+
+
+def test_oversize_body_is_413(client: httpx.Client) -> None:
+    r = client.post("/v1/jobs", content=b'{"task": "' + b"x" * 1_100_000 + b'"}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.headers["content-type"].startswith("application/problem+json")
+
+
+def test_retry_after_429_then_500_then_success(client: httpx.Client) -> None:
+    job = run(client, ["flaky"], [[]])
+    assert job["status"] == "succeeded"
+    [step] = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
+    errors = [(a["n"], (a["error"] or {}).get("type")) for a in step["attempts"]]
+    assert errors == [(1, "RateLimited"), (2, "ServerError"), (3, None)]
+    assert step["output"] == "[flaky] part 0" and job["usage"]["calls"] == 3
+
+
+def test_a_step_that_always_fails_fails_the_job_and_skips_the_rest(client: httpx.Client) -> None:
+    job = run(client, ["broken", "a", "b"], [[], [0], [1]])
+    assert job["status"] == "failed"
+    assert job["error"]["step"] == 0 and job["error"]["type"] == "ServerError"
+    assert "step 0 failed" in job["error"]["message"] and "gave up after 4 attempts" in job["error"]["message"]
+    steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
+    assert [s["status"] for s in steps] == ["failed", "skipped", "skipped"]
+    assert len(steps[0]["attempts"]) == 4 and steps[0]["output"] is None
+
+
+def test_a_bad_request_is_not_retried(client: httpx.Client) -> None:
+    job = run(client, ["refuses"], [[]])
+    assert job["status"] == "failed" and "not retryable, after 1 attempt" in job["error"]["message"]
+
+
+def test_cancel_mid_run(client: httpx.Client) -> None:
+    created = client.post("/v1/jobs", json={"task": "t", "workflow": wf(["slow", "a"], [[], [0]])})
+    job_id = created.json()["id"]
+    deadline = time.monotonic() + 30
+    while client.get(f"/v1/jobs/{job_id}/steps").json()["data"][:1] == [] or \
+            client.get(f"/v1/jobs/{job_id}/steps").json()["data"][0]["status"] != "running":
+        assert time.monotonic() < deadline, "step 0 never started"
+        time.sleep(0.05)
+    r = client.post(f"/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 202 and r.json()["status"] == "cancelled"
+    # The slow call finishes after the cancel; its answer must be dropped, and step 1 must never start.
+    steps = client.get(f"/v1/jobs/{job_id}/steps").json()["data"]
+    while not steps[0]["attempts"] or steps[0]["attempts"][-1]["finished_at"] is None:
+        assert time.monotonic() < deadline, "the running attempt never finished"
+        time.sleep(0.1)
+        steps = client.get(f"/v1/jobs/{job_id}/steps").json()["data"]
+    time.sleep(0.5)
+    steps = client.get(f"/v1/jobs/{job_id}/steps").json()["data"]
+    assert [s["status"] for s in steps] == ["cancelled", "cancelled"]
+    assert steps[0]["output"] is None and steps[1]["attempts"] == []
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "cancelled" and job["answer"] is None
+    assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 409
