@@ -126,8 +126,21 @@ def claim_step(
     return step
 
 
+WORKER_LOST = "WorkerLost"
+
+
 def start_attempt(session: Session, *, step: Step, worker: str) -> StepAttempt:
+    """Opens attempt n+1. An earlier attempt still open belonged to a worker that died mid-call."""
     assert step.id is not None
+    session.execute(
+        sa.update(StepAttempt)
+        .where(col(StepAttempt.step_id) == step.id, col(StepAttempt.finished_at).is_(None))
+        .values(
+            finished_at=utcnow(),
+            error_type=WORKER_LOST,
+            error="the worker running this attempt stopped before it finished (its lease expired)",
+        )
+    )
     n = int(
         session.execute(
             sa.select(sa.func.coalesce(sa.func.max(StepAttempt.n), 0)).where(col(StepAttempt.step_id) == step.id)

@@ -51,7 +51,12 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "beat_schedule": {
-            "reconcile": {"task": "conductor.reconcile", "schedule": settings.reconcile_interval_s},
+            # A pass that could not run in its interval (no worker up) is dropped, not piled up.
+            "reconcile": {
+                "task": "conductor.reconcile",
+                "schedule": settings.reconcile_interval_s,
+                "options": {"expires": settings.reconcile_interval_s},
+            },
         },
     }
 
