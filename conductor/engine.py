@@ -13,17 +13,26 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlmodel import Session
 
+from conductor.budget import (
+    BudgetExceeded,
+    DeadlineExceeded,
+    Spent,
+    allowed_output_tokens,
+    check_deadline,
+    deadline_of,
+    estimate_tokens,
+)
 from conductor.context import turns_as_messages, worker_messages
 from conductor.planning.base import PlanResult
 from conductor.planning.planner import make_plan
 from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.config import AgentConfig, PoolConfig
-from conductor.pool.errors import ProviderError
+from conductor.pool.errors import FatalError, ProviderError
 from conductor.pool.registry import provider_for
 from conductor.retry import RetryPolicy
 from conductor.settings import Settings
@@ -66,7 +75,10 @@ def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
         job = store.get_job(s, job_id=job_id)
         assert job is not None
     try:
+        check_deadline(job.limits, job.created_at, utcnow())
         result = make_plan(job, settings=settings)
+    except DeadlineExceeded as exc:
+        return fail_job(job_id, error_type="DeadlineExceeded", message=str(exc))
     except (ProviderError, WorkflowError) as exc:
         kind = "planner_error" if isinstance(exc, ProviderError) else "invalid_workflow"
         return fail_job(job_id, error_type=kind, message=f"planning failed: {exc}")
@@ -126,6 +138,16 @@ class _Claimed:
     agent: str
     messages: list[Message]
     config: AgentConfig
+    max_tokens: int
+    deadline: datetime | None
+
+
+@dataclass
+class _Refused:
+    """Claimed, but the job's limits leave no room for it: the step fails without a call."""
+
+    step_id: int
+    error: FatalError
 
 
 def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings) -> Dispatch:
@@ -133,6 +155,8 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
     claimed = _claim(job_id, index, worker=worker, task_id=task_id, settings=settings)
     if isinstance(claimed, Dispatch):
         return claimed
+    if isinstance(claimed, _Refused):
+        return _fail_step(job_id, claimed.step_id, claimed.error, attempts=0)
     provider = provider_for(claimed.agent, claimed.config)
     policy = RetryPolicy.from_settings(settings)
     timeout = claimed.config.timeout_s or settings.provider_timeout_s
@@ -145,7 +169,7 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
             attempt = store.start_attempt(s, step=step, worker=worker)
         options = CallOptions(
             temperature=claimed.config.temperature,
-            max_tokens=claimed.config.max_tokens,
+            max_tokens=claimed.max_tokens,
             timeout_s=timeout,
             attempt=attempt.n,
         )
@@ -161,6 +185,9 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
                 )
             if policy.should_retry(attempt.n, exc):
                 delay = policy.delay(attempt.n, exc)
+                if claimed.deadline is not None and utcnow() + timedelta(seconds=delay) >= claimed.deadline:
+                    late = DeadlineExceeded(f"{exc}; no time left for another attempt before the job's deadline")
+                    return _fail_step(job_id, claimed.step_id, late, attempts=attempt.n)
                 log.info("step %s/%s attempt %s: %s; retrying in %.2fs", job_id, index, attempt.n, exc, delay)
                 _renew_lease(claimed.step_id, settings, extra_s=delay)
                 time.sleep(delay)
@@ -181,7 +208,9 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
         return advance(job_id)
 
 
-def _claim(job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings) -> _Claimed | Dispatch:
+def _claim(
+    job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings
+) -> _Claimed | _Refused | Dispatch:
     with session_scope() as s:
         job = store.get_job(s, job_id=job_id)
         if job is None or job.status != JobStatus.RUNNING:
@@ -208,7 +237,23 @@ def _claim(job_id: str, index: int, *, worker: str, task_id: str | None, setting
             provider=config.provider,
             model=config.model or f"sim-{step.agent}",
         )
-        return _Claimed(step.id, step.agent, messages, config)
+        spent = Spent(
+            tokens=job.planner_input_tokens + job.planner_output_tokens
+            + sum(st.input_tokens + st.output_tokens for st in steps),
+            cost_usd=job.planner_cost_usd + sum(st.cost_usd for st in steps),
+        )
+        try:
+            check_deadline(job.limits, job.created_at, utcnow())
+            max_tokens = allowed_output_tokens(
+                job.limits,
+                spent,
+                prompt_tokens=sum(estimate_tokens(m.content) for m in messages),
+                max_tokens=config.max_tokens,
+                price=config.price,
+            )
+        except (BudgetExceeded, DeadlineExceeded) as exc:
+            return _Refused(step.id, exc)
+        return _Claimed(step.id, step.agent, messages, config, max_tokens, deadline_of(job.limits, job.created_at))
 
 
 def _start_child(
@@ -273,7 +318,7 @@ def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
 
 def _fail_step(job_id: str, step_id: int, exc: ProviderError, *, attempts: int) -> Dispatch:
     reason = "gave up after" if exc.retryable else "not retryable, after"
-    message = f"{exc} ({reason} {attempts} attempt{'s' if attempts != 1 else ''})"
+    message = f"{exc} ({reason} {attempts} attempt{'s' if attempts != 1 else ''})" if attempts else str(exc)
     with session_scope() as s:
         store.finish_step(
             s,
@@ -356,11 +401,16 @@ def fail_job(job_id: str, *, error_type: str, message: str, step: int | None = N
             **totals,
         ):
             return Dispatch()
-        store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED)
+        store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED, include_waiting=True)
+        children = [c.id for c in store.get_children(s, job_id=job_id) if c.status not in JobStatus.TERMINAL]
         parent_id = job.parent_job_id
         if parent_id is not None:
             _settle_parent_step(s, job, succeeded=False, answer=None, totals=totals, error=message)
+    for child in children:
+        cancel_job(child)  # a failed parent's running sub-workflows are stopped, not left to spend
     return advance(parent_id) if parent_id is not None else Dispatch()
+
+
 
 
 def _settle_parent_step(

@@ -177,14 +177,22 @@ def update_step(session: Session, *, step_id: int, **values: Any) -> None:
     session.execute(sa.update(Step).where(col(Step.id) == step_id).values(**values))
 
 
-def close_open_steps(session: Session, *, job_id: str, to: str, include_running: bool = False) -> int:
-    """Marks every not-yet-finished step ``to`` (skipped on failure, cancelled on cancel)."""
-    open_states = [StepStatus.PENDING, StepStatus.QUEUED]
+def close_open_steps(
+    session: Session, *, job_id: str, to: str, include_running: bool = False, include_waiting: bool = False
+) -> int:
+    """Marks not-yet-finished steps ``to`` (skipped on failure, cancelled on cancel): pending and queued
+    ones; running ones too with ``include_running``; with ``include_waiting``, recursive steps that are
+    only waiting on a child job (a step mid-call is left to record what it finishes)."""
+    unfinished: sa.ColumnElement[bool] = col(Step.status).in_([StepStatus.PENDING, StepStatus.QUEUED])
     if include_running:
-        open_states.append(StepStatus.RUNNING)
+        unfinished = col(Step.status).in_([StepStatus.PENDING, StepStatus.QUEUED, StepStatus.RUNNING])
+    elif include_waiting:
+        unfinished = sa.or_(
+            unfinished, sa.and_(col(Step.status) == StepStatus.RUNNING, col(Step.child_job_id).is_not(None))
+        )
     stmt = (
         sa.update(Step)
-        .where(col(Step.job_id) == job_id, col(Step.status).in_(open_states))
+        .where(col(Step.job_id) == job_id, unfinished)
         .values(status=to, finished_at=utcnow(), lease_expires_at=None)
     )
     return _rowcount(session.execute(stmt))

@@ -101,3 +101,21 @@ def test_cancel_mid_run(client: httpx.Client) -> None:
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["status"] == "cancelled" and job["answer"] is None
     assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 409
+
+
+def test_token_budget_refuses_the_step_that_would_exceed_it(client: httpx.Client) -> None:
+    body = {"task": "t", "workflow": wf(["a", "b", "c"], [[], [0], [1]]), "limits": {"max_tokens": 60}}
+    job = wait_terminal(client, client.post("/v1/jobs", json=body).json()["id"])
+    assert job["status"] == "failed" and job["error"]["type"] == "BudgetExceeded", job
+    steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
+    failed = steps[job["error"]["step"]]
+    assert failed["status"] == "failed" and failed["attempts"] == [] and "token budget 60" in failed["error"]["message"]
+    assert steps[0]["status"] == "succeeded"  # the budget admitted the first step
+    assert job["usage"]["input_tokens"] + job["usage"]["output_tokens"] <= 60
+
+
+def test_deadline_fails_the_job_clearly(client: httpx.Client) -> None:
+    body = {"task": "t", "workflow": wf(["slow", "a"], [[], [0]]), "limits": {"deadline_s": 1}}
+    job = wait_terminal(client, client.post("/v1/jobs", json=body).json()["id"])
+    assert job["status"] == "failed" and job["error"]["type"] == "DeadlineExceeded", job
+    assert "deadline of 1" in job["error"]["message"]
