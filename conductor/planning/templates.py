@@ -13,6 +13,8 @@ def single(agents: list[str], max_steps: int) -> Workflow:
 
 def fanout(agents: list[str], max_steps: int, width: int = 3) -> Workflow:
     """``width`` independent attempts on different agents, then one aggregator that sees them all."""
+    if max_steps < 2:
+        return single(agents, max_steps)
     width = max(1, min(width, max_steps - 1))
     steps = [
         Step(
@@ -52,6 +54,8 @@ def pev(agents: list[str], max_steps: int) -> Workflow:
 
 def moa(agents: list[str], max_steps: int, proposers: int = 3, layers: int = 1) -> Workflow:
     """Mixture-of-Agents: parallel proposers, ``layers`` of refiners that see the previous layer, an aggregator."""
+    if max_steps < 2:
+        return single(agents, max_steps)
     proposers = max(1, min(proposers, max_steps - 1))
     while proposers * (1 + layers) + 1 > max_steps and layers > 0:
         layers -= 1
