@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlmodel import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -140,6 +144,17 @@ def create_app() -> FastAPI:
         data = _steps_tree(session, job.id, depth=0)
         return {"data": data, "count": len(data)}
 
+    @app.get("/v1/jobs/{job_id}/events")
+    def events(job_id: str, session: SessionDep, tenant: TenantDep, settings: SettingsDep) -> StreamingResponse:
+        """Server-sent events: ``job`` on each status change, ``step`` on each step status change; the
+        stream ends when the job does (or after ``EVENTS_MAX_S``)."""
+        job = _job_or_404(session, job_id, tenant)
+        return StreamingResponse(
+            _event_stream(job.id, settings.database_url),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
     @app.post("/v1/jobs/{job_id}/cancel", status_code=202)
     def cancel(job_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
         job = _job_or_404(session, job_id, tenant)
@@ -161,6 +176,47 @@ def _job_or_404(session: Session, job_id: str, tenant: str) -> Any:
 
 
 MAX_TREE_DEPTH = 6
+EVENTS_POLL_S = 0.25
+EVENTS_HEARTBEAT_S = 15.0
+EVENTS_MAX_S = 3600.0
+
+
+async def _event_stream(job_id: str, database_url: str) -> AsyncIterator[str]:
+    seen: dict[str, str] = {}
+    started = last_sent = time.monotonic()
+    while time.monotonic() - started < EVENTS_MAX_S:
+        job, steps = await run_in_threadpool(_snapshot, job_id, database_url)
+        for st in steps:
+            key = f"step:{st['index']}"
+            if seen.get(key) != st["status"]:
+                seen[key] = st["status"]
+                last_sent = time.monotonic()
+                yield f"event: step\ndata: {json.dumps(st)}\n\n"
+        if seen.get("job") != job["status"]:
+            seen["job"] = job["status"]
+            last_sent = time.monotonic()
+            yield f"event: job\ndata: {json.dumps(job)}\n\n"
+        if job["status"] in JobStatus.TERMINAL:
+            return
+        if time.monotonic() - last_sent > EVENTS_HEARTBEAT_S:
+            last_sent = time.monotonic()
+            yield ": keep-alive\n\n"
+        await asyncio.sleep(EVENTS_POLL_S)
+
+
+def _snapshot(job_id: str, database_url: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    with Session(get_engine(database_url)) as session:
+        job = store.get_job(session, job_id=job_id)
+        assert job is not None
+        steps = store.get_steps(session, job_id=job_id)
+        job_event = {"id": job.id, "status": job.status, "answer": job.answer,
+                     "error": {"type": job.error_type, "message": job.error_message} if job.error_type else None}
+        step_events = [
+            {"index": st.index, "agent": st.agent, "status": st.status, "attempts": st.attempts,
+             "latency_ms": st.latency_ms, "child_job_id": st.child_job_id}
+            for st in steps
+        ]
+        return job_event, step_events
 
 
 def _steps_tree(session: Session, job_id: str, depth: int) -> list[dict[str, Any]]:

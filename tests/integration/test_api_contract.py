@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -119,3 +120,23 @@ def test_deadline_fails_the_job_clearly(client: httpx.Client) -> None:
     job = wait_terminal(client, client.post("/v1/jobs", json=body).json()["id"])
     assert job["status"] == "failed" and job["error"]["type"] == "DeadlineExceeded", job
     assert "deadline of 1" in job["error"]["message"]
+
+
+def test_events_stream_follows_the_job_to_its_end(client: httpx.Client) -> None:
+    created = client.post("/v1/jobs", json={"task": "t", "workflow": wf(["a", "b"], [[], [0]])})
+    events: list[tuple[str, dict[str, Any]]] = []
+    with client.stream("GET", f"/v1/jobs/{created.json()['id']}/events") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        kind = ""
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                kind = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append((kind, json.loads(line.removeprefix("data: "))))
+    job_states = [e["status"] for k, e in events if k == "job"]
+    assert job_states[-1] == "succeeded" and events[-1][1]["answer"] == "[b] part 1"
+    step1 = [e["status"] for k, e in events if k == "step" and e["index"] == 1]
+    assert step1[-1] == "succeeded" and step1 == sorted(set(step1), key=step1.index)  # no repeats
+    order = [(e["index"], e["status"]) for k, e in events if k == "step"]
+    first_step1_running = next(i for i, ev in enumerate(order) if ev[0] == 1 and ev[1] in ("running", "succeeded"))
+    assert order.index((0, "succeeded")) < first_step1_running  # the chain's order is visible in the stream
