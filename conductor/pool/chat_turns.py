@@ -37,3 +37,17 @@ def to_conversation(messages: list[Message]) -> Conversation:
         else:
             turns.append(Turn(role, message.content))
     return Conversation(system="\n\n".join(system_parts) if system_parts else None, turns=turns)
+
+
+def fold_system(messages: list[Message]) -> list[dict[str, str]]:
+    """System text prepended to the first user turn, for chat templates that drop ``system`` messages
+    (Gemma's template; llama-cpp-python's ``gemma`` chat format discards them silently)."""
+    system = "\n\n".join(m.content for m in messages if m.role == "system")
+    rest = [m.as_dict() for m in messages if m.role != "system"]
+    if not system:
+        return rest
+    for turn in rest:
+        if turn["role"] == "user":
+            turn["content"] = f"{system}\n\n{turn['content']}"
+            return rest
+    return [{"role": "user", "content": system}, *rest]

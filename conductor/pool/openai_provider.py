@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from functools import cached_property
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
@@ -16,8 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.pool.api_keys import read_api_key
 from conductor.pool.base import CallOptions, Completion, Message, Provider
+from conductor.pool.chat_turns import fold_system
 from conductor.pool.config import AgentConfig
 from conductor.pool.errors import BadRequest, ConfigError, ProviderError
+from conductor.pool.grammar import grammar_schema
 from conductor.pool.http_errors import (
     connection_failed,
     error_for_status,
@@ -37,6 +39,12 @@ class OpenAIOptions(BaseModel):
 
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Extra JSON fields for the request body (e.g. vLLM's ``chat_template_kwargs``)."""
+    fold_system: bool = False
+    """Send system text inside the first user turn, for servers whose chat template drops system
+    messages (e.g. llama-cpp-python serving Gemma with ``--chat_format gemma``)."""
+    schema_format: Literal["json_schema", "json_object"] = "json_schema"
+    """How to ask for schema-constrained output: OpenAI and vLLM take ``{"type": "json_schema", ...}``;
+    the llama-cpp-python server takes ``{"type": "json_object", "schema": ...}`` (it compiles a grammar)."""
 
 
 class OpenAIProvider(Provider):
@@ -75,7 +83,7 @@ class OpenAIProvider(Provider):
         try:
             response = client.chat.completions.create(
                 model=self.config.model,
-                messages=cast("list[ChatCompletionMessageParam]", [m.as_dict() for m in messages]),
+                messages=cast("list[ChatCompletionMessageParam]", self._wire_messages(messages)),
                 temperature=options.temperature,
                 # OpenAI's reasoning models reject max_tokens; many compatible servers only know it.
                 max_completion_tokens=options.max_tokens if self._is_openai else openai.omit,
@@ -93,9 +101,14 @@ class OpenAIProvider(Provider):
     def _is_openai(self) -> bool:
         return self.config.provider == "openai"
 
+    def _wire_messages(self, messages: list[Message]) -> list[dict[str, str]]:
+        return fold_system(messages) if self.options.fold_system else [m.as_dict() for m in messages]
+
     def _response_format(self, options: CallOptions) -> Any:
         if options.json_schema is None or not self.config.structured_output:
             return openai.omit
+        if self.options.schema_format == "json_object":
+            return {"type": "json_object", "schema": grammar_schema(options.json_schema)}
         return {
             "type": "json_schema",
             "json_schema": {"name": SCHEMA_NAME, "schema": options.json_schema, "strict": True},

@@ -19,6 +19,7 @@ from conductor.pool.errors import (
     RateLimited,
     ServerError,
 )
+from conductor.pool.grammar import grammar_schema
 from conductor.pool.openai_provider import OpenAIProvider
 from conductor.pool.registry import build_provider
 from tests.fakes.openai_server import FakeOpenAIServer, Reply, drop, error, hang, malformed, ok
@@ -124,6 +125,28 @@ def test_json_schema_becomes_strict_response_format(server: FakeOpenAIServer) ->
         "type": "json_schema",
         "json_schema": {"name": "workflow", "schema": WORKFLOW_SCHEMA, "strict": True},
     }
+
+
+def test_llama_cpp_server_style_schema_format(server: FakeOpenAIServer) -> None:
+    provider = make_provider(server, provider="openai_compatible", options={"schema_format": "json_object"})
+
+    provider.complete(MESSAGES, CallOptions(json_schema=WORKFLOW_SCHEMA))
+
+    sent = server.bodies[0]["response_format"]
+    assert sent["type"] == "json_object" and sent["schema"] == grammar_schema(WORKFLOW_SCHEMA)
+
+
+def test_fold_system_option_moves_system_text_into_the_first_user_turn(server: FakeOpenAIServer) -> None:
+    provider = make_provider(server, provider="openai_compatible", options={"fold_system": True})
+    messages = [Message("system", "SYS"), Message("user", "Q1"), Message("assistant", "A1"), Message("user", "Q2")]
+
+    provider.complete(messages, CallOptions())
+
+    assert server.bodies[0]["messages"] == [
+        {"role": "user", "content": "SYS\n\nQ1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+    ]
 
 
 def test_no_response_format_when_structured_output_is_off(server: FakeOpenAIServer) -> None:
