@@ -238,15 +238,3 @@ def critical_path(dependencies: Sequence[Sequence[int]], durations: Sequence[flo
         path.append(end)
         end = via[end]
     return length, path[::-1]
-
-
-def transitive_deps(dependencies: Sequence[Sequence[int]]) -> list[set[int]]:
-    """For every step, all steps that must finish before it (direct or indirect)."""
-    closure: list[set[int]] = []
-    for deps in dependencies:
-        acc: set[int] = set()
-        for d in deps:
-            acc.add(d)
-            acc |= closure[d]
-        closure.append(acc)
-    return closure

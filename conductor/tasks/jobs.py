@@ -9,7 +9,7 @@ from typing import Any
 
 from celery import Task
 
-from conductor.engine import Dispatch, advance, finalize_job, plan_job, run_step
+from conductor.engine import Dispatch, finalize_job, plan_job, run_step
 from conductor.settings import get_settings
 from conductor.tasks.app import app
 from conductor.tasks.send import send
@@ -38,11 +38,6 @@ def finalize(self: Task, job_id: str) -> None:
     send(finalize_job(job_id))
 
 
-@app.task(name="conductor.advance", bind=True)
-def advance_task(self: Task, job_id: str) -> None:
-    send(advance(job_id))
-
-
 @app.task(name="conductor.reconcile", bind=True)
 def reconcile(self: Task) -> dict[str, Any]:
     from conductor.reconcile import reconcile_once
@@ -52,4 +47,4 @@ def reconcile(self: Task) -> dict[str, Any]:
     return report
 
 
-__all__ = ["Dispatch", "advance_task", "finalize", "plan", "reconcile", "run_step_task"]
+__all__ = ["Dispatch", "finalize", "plan", "reconcile", "run_step_task"]
