@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from conductor.planner_serve import add_arguments as add_planner_serve_arguments
 from conductor.settings import get_settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -62,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, default=5555)
     c.set_defaults(handler=_flower)
 
+    planner = sub.add_parser("planner", help="the conductor model").add_subparsers(metavar="ACTION")
+    c = planner.add_parser("serve", help="serve the conductor model with vLLM (GPU node; extra 'gpu')")
+    add_planner_serve_arguments(c)
+    c.set_defaults(handler=_planner_serve)
+
     c = sub.add_parser("migrate", help="create or upgrade the database tables")
     c.set_defaults(handler=_migrate)
 
@@ -78,12 +84,22 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--wait", action="store_true", help="poll until the job ends and print the answer")
     c.set_defaults(handler=_submit)
 
+    c = sub.add_parser("run", help="run one job here and now: one process, no services (embedded mode)")
+    c.add_argument("task")
+    c.add_argument("--pool", help="pool name or YAML file (default: CONDUCTOR_POOL_FILE if set, else research "
+                   "if a provider key is set, else local: a tiny model on this CPU)")
+    c.add_argument("--planner", help="conductor (default) | an agent of the pool | template:single|fanout|pev|moa")
+    c.add_argument("--data-dir", type=Path, help="where the SQLite store and log live (default: CONDUCTOR_DATA_DIR)")
+    c.set_defaults(handler=_run)
+
     c = sub.add_parser("status", help="show a job (from the database)")
     c.add_argument("job_id")
+    c.add_argument("--data-dir", type=Path, help="read the embedded store of `conductor run` in this directory")
     c.set_defaults(handler=_status)
 
     c = sub.add_parser("trace", help="render a job's stored trace")
     c.add_argument("job_id")
+    c.add_argument("--data-dir", type=Path, help="read the embedded store of `conductor run` in this directory")
     c.add_argument("--full", action="store_true", help="do not shorten instructions and outputs")
     c.add_argument("--json", action="store_true", help="print the steps as JSON")
     c.set_defaults(handler=_trace)
@@ -133,6 +149,12 @@ def _flower(args: argparse.Namespace) -> int:
 
     app.start(["flower", f"--port={args.port}"])
     return 0
+
+
+def _planner_serve(args: argparse.Namespace) -> int:
+    from conductor.planner_serve import serve
+
+    return serve(args)
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -221,6 +243,25 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from conductor.embedded import EmbeddedError, run
+
+    try:
+        return run(args.task, pool=args.pool, planner=args.planner, data_dir=args.data_dir)
+    except EmbeddedError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _use_data_dir(args: argparse.Namespace) -> None:
+    if getattr(args, "data_dir", None) is not None:
+        from conductor.embedded import EmbeddedError, open_store
+
+        try:
+            open_store(args.data_dir)
+        except EmbeddedError as exc:
+            raise CliError(str(exc)) from exc
+
+
 def _load_job(job_id: str) -> Any:
     from conductor.store import jobs as store
     from conductor.store.db import session_scope
@@ -237,6 +278,7 @@ def _status(args: argparse.Namespace) -> int:
     from conductor.store import jobs as store
     from conductor.store.db import session_scope
 
+    _use_data_dir(args)
     job = _load_job(args.job_id)
     with session_scope() as s:
         print(json.dumps(job_view(job, store.get_steps(s, job_id=job.id)), indent=2))
@@ -247,6 +289,7 @@ def _trace(args: argparse.Namespace) -> int:
     from conductor.store.db import session_scope
     from conductor.trace import render_trace
 
+    _use_data_dir(args)
     job = _load_job(args.job_id)
     with session_scope() as s:
         if args.json:

@@ -34,6 +34,7 @@ from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.config import AgentConfig, PoolConfig
 from conductor.pool.errors import FatalError, ProviderError
 from conductor.pool.registry import provider_for
+from conductor.ratelimit import get_limiter
 from conductor.retry import RetryPolicy
 from conductor.settings import Settings
 from conductor.store import jobs as store
@@ -175,6 +176,7 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
         )
         started = time.monotonic()
         try:
+            _wait_for_rate_limit(claimed.agent, claimed.config, settings)
             completion = provider.complete(claimed.messages, options)
         except ProviderError as exc:
             elapsed = int((time.monotonic() - started) * 1000)
@@ -293,6 +295,14 @@ def _start_child(
         lease_expires_at=None,
     )
     return Dispatch(plan=[child.id])
+
+
+def _wait_for_rate_limit(agent: str, config: AgentConfig, settings: Settings) -> None:
+    """Takes a token from the agent's bucket shared by every worker (Redis). Embedded mode (one process,
+    in-memory broker) has no Redis and runs unlimited."""
+    if config.rpm is None or not settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
+        return
+    get_limiter(settings.broker_url).acquire(agent, config.rpm, timeout_s=settings.rate_limit_wait_s)
 
 
 def _renew_lease(step_id: int, settings: Settings, extra_s: float = 0.0) -> None:

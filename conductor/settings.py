@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     retry_backoff_base_s: float = Field(default=1.0, ge=0)
     retry_backoff_max_s: float = Field(default=60.0, ge=0)
     provider_timeout_s: float = Field(default=300.0, gt=0)
+    rate_limit_wait_s: float = Field(default=60.0, ge=0)
+    """How long a step waits for its agent's shared requests-per-minute bucket before the attempt fails
+    as rate limited (and is retried after the time the bucket says)."""
     # How often the reconciler runs and how old unfinished work must be before it is re-driven.
     reconcile_interval_s: float = Field(default=15.0, gt=0)
     reconcile_stale_s: float = Field(default=30.0, ge=0)

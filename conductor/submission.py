@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from conductor.store.models import Job
 from conductor.workflow import CONDUCTOR_AGENT, FieldError, WorkflowError, parse_workflow
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+MAX_URL_CHARS = 2048
 
 
 class Limits(BaseModel):
@@ -49,6 +51,48 @@ class JobCreate(BaseModel):
         if not v.strip():
             raise ValueError("must not be blank")
         return v
+
+    @field_validator("task", "pool", "planner", "workflow", "metadata")
+    @classmethod
+    def _storable(cls, v: Any) -> Any:
+        """Text Postgres cannot store (NUL, lone surrogates) or JSON it rejects (NaN, Infinity) is refused
+        here, with its location, instead of failing in the database."""
+        problem = unstorable(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _url_fits(cls, v: HttpUrl | None) -> HttpUrl | None:
+        if v is not None and len(str(v)) > MAX_URL_CHARS:
+            raise ValueError(f"longer than {MAX_URL_CHARS} characters once encoded")
+        return v
+
+
+def unstorable(value: Any) -> str | None:
+    """Why ``value`` cannot be stored as text/JSON, or None."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return "must not contain NUL characters"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "must be valid Unicode (no unpaired surrogates)"
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must not contain NaN or Infinity"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = unstorable(key) or unstorable(item)
+            if problem:
+                return problem
+    if isinstance(value, list):
+        for item in value:
+            problem = unstorable(item)
+            if problem:
+                return problem
+    return None
 
 
 class SubmissionError(ValueError):

@@ -28,9 +28,11 @@ _RULES = f"""\
 How a workflow runs:
 - Each step gives one worker one instruction (a subtask). Write it so that worker can act on it \
 alone: what to do, what to produce, what to check.
-- A step sees only its own instruction and the steps in its access list: [] means nothing else, \
-[0, 2] means the instructions and answers of steps 0 and 2, "all" means every earlier step. An \
-access list may only name earlier steps (steps are numbered from 0).
+- Every worker is shown the user's task. Besides it, a step sees only its own instruction and the \
+steps in its access list: [] means nothing else, [0, 2] means the instructions and answers of steps \
+0 and 2, "all" means every earlier step. An access list may only name earlier steps (steps are \
+numbered from 0). So an instruction says what this step must do with the task (its role), and need \
+not repeat the task.
 - Steps that do not depend on each other run in parallel.
 - The last step's output is the final answer the user receives, so the last step must produce the \
 complete answer and see the steps it needs.
@@ -132,32 +134,27 @@ def _examples(names: list[str]) -> str:
 
     single = {
         "model_ids": [pick(0)],
-        "subtasks": ["What is the capital of Australia? Answer with the city name and one sentence."],
+        "subtasks": ["Answer the task directly: give the answer and one sentence of justification."],
         "access_lists": [[]],
     }
     chain = {
         "model_ids": [pick(0), pick(1), pick(2)],
         "subtasks": [
-            "Plan a solution to this problem; do not write code. Problem: given a list of meeting "
-            "intervals, return the minimum number of rooms needed. Describe the algorithm, its "
-            "complexity and the edge cases (empty list, touching intervals).",
-            "Implement the plan above as a Python function min_rooms(intervals: list[tuple[int, int]]) "
-            "-> int. Output only the code.",
-            "Check the implementation against the plan and the edge cases by tracing small inputs. "
-            "Fix any bug and output the final, complete Python code.",
+            "Plan a solution to the task; do not write code yet. Describe the algorithm, its complexity "
+            "and the edge cases (empty input, touching intervals).",
+            "Implement the plan above as complete, runnable Python. Output only the code.",
+            "Check the implementation against the task, the plan and the edge cases by tracing small "
+            "inputs. Fix any bug and output the final, complete code.",
         ],
         "access_lists": [[], [0], [0, 1]],
     }
     parallel = {
         "model_ids": [pick(1), pick(2), pick(0)],
         "subtasks": [
-            "Which single factor best explains why the 2008 financial crisis spread from US housing "
-            "to global banks? Argue from the evidence and name the factor.",
-            "Which single factor best explains why the 2008 financial crisis spread from US housing "
-            "to global banks? Weigh at least three candidate factors before concluding.",
-            "Two analysts answered the question: which single factor best explains why the 2008 "
-            "financial crisis spread from US housing to global banks? Compare their reasoning, "
-            "resolve disagreements and give one final, well-supported answer.",
+            "Answer the task independently: argue from the evidence and commit to one conclusion.",
+            "Answer the task independently: weigh at least three candidate explanations before concluding.",
+            "Two analysts answered the task above. Compare their reasoning, resolve disagreements and "
+            "give one final, well-supported answer.",
         ],
         "access_lists": [[], [], "all"],
     }

@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from pydantic import BaseModel
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from sqlmodel import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,6 +32,25 @@ log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
 DEFAULT_TENANT = "default"
 MAX_LIST_LIMIT = 200
+
+
+JobStatusName = Literal["queued", "planning", "running", "succeeded", "failed", "cancelled"]
+
+
+class ProblemDocument(BaseModel):
+    """RFC 9457 problem details, as every error response carries them."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+    errors: list[dict[str, Any]] | None = None
+
+
+def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI declarations of the problem+json error responses a route can send."""
+    schema = {"$ref": "#/components/schemas/ProblemDocument"}
+    return {status: {"model": ProblemDocument, "content": {PROBLEM: {"schema": schema}}} for status in statuses}
 
 
 class Problem(Exception):
@@ -91,12 +112,12 @@ def create_app() -> FastAPI:
     _install_error_handlers(app)
     _install_body_limit(app)
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses=problems(503))
     def healthz(session: SessionDep) -> dict[str, Any]:
         session.connection().exec_driver_sql("SELECT 1")
         return {"status": "ok"}
 
-    @app.post("/v1/jobs", status_code=202)
+    @app.post("/v1/jobs", status_code=202, responses=problems(400, 401, 413, 422, 503))
     def submit_job(
         body: JobCreate,
         request: Request,
@@ -118,11 +139,11 @@ def create_app() -> FastAPI:
         response.headers["Location"] = f"/v1/jobs/{job.id}"
         return {"id": job.id, "status": job.status, "enqueued": enqueued, "links": job_links(job.id)}
 
-    @app.get("/v1/jobs")
+    @app.get("/v1/jobs", responses=problems(401, 422, 503))
     def list_jobs(
         session: SessionDep,
         tenant: TenantDep,
-        status: Annotated[str | None, Query(max_length=16)] = None,
+        status: Annotated[JobStatusName | None, Query()] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 50,
     ) -> dict[str, Any]:
         jobs = store.list_jobs(session, tenant=tenant, status=status, limit=limit)
@@ -133,18 +154,22 @@ def create_app() -> FastAPI:
         ]
         return {"data": data, "count": len(data)}
 
-    @app.get("/v1/jobs/{job_id}")
+    @app.get("/v1/jobs/{job_id}", responses=problems(401, 404, 503))
     def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
         job = _job_or_404(session, job_id, tenant)
         return job_view(job, store.get_steps(session, job_id=job.id))
 
-    @app.get("/v1/jobs/{job_id}/steps")
+    @app.get("/v1/jobs/{job_id}/steps", responses=problems(401, 404, 503))
     def get_steps(job_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
         job = _job_or_404(session, job_id, tenant)
         data = _steps_tree(session, job.id, depth=0)
         return {"data": data, "count": len(data)}
 
-    @app.get("/v1/jobs/{job_id}/events")
+    @app.get(
+        "/v1/jobs/{job_id}/events",
+        responses={**problems(401, 404, 503), 200: {"content": {"text/event-stream": {}}}},
+        response_class=StreamingResponse,
+    )
     def events(job_id: str, session: SessionDep, tenant: TenantDep, settings: SettingsDep) -> StreamingResponse:
         """Server-sent events: ``job`` on each status change, ``step`` on each step status change; the
         stream ends when the job does (or after ``EVENTS_MAX_S``)."""
@@ -155,7 +180,7 @@ def create_app() -> FastAPI:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @app.post("/v1/jobs/{job_id}/cancel", status_code=202)
+    @app.post("/v1/jobs/{job_id}/cancel", status_code=202, responses=problems(401, 404, 409, 503))
     def cancel(job_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
         job = _job_or_404(session, job_id, tenant)
         if job.status in JobStatus.TERMINAL:
@@ -168,10 +193,14 @@ def create_app() -> FastAPI:
     return app
 
 
+JOB_ID_RE = re.compile(r"[0-9a-f]{32}")
+
+
 def _job_or_404(session: Session, job_id: str, tenant: str) -> Any:
-    job = store.get_job(session, job_id=job_id[:64], tenant=tenant)
+    job = store.get_job(session, job_id=job_id, tenant=tenant) if JOB_ID_RE.fullmatch(job_id) else None
     if job is None:
-        raise Problem(404, "Job not found", f"no job '{job_id[:64]}' for this API key")
+        shown = job_id if JOB_ID_RE.fullmatch(job_id) else "(malformed id)"
+        raise Problem(404, "Job not found", f"no job {shown} for this API key")
     return job
 
 
@@ -265,8 +294,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return problem_response(exc.status_code, str(exc.detail), str(exc.detail))
 
+    @app.exception_handler(DataError)
+    async def _unstorable(_: Request, exc: DataError) -> JSONResponse:
+        # Input the database refused to store: a client error, never a reason to retry.
+        return problem_response(422, "Invalid input", "a value in the request cannot be stored")
+
     @app.exception_handler(OperationalError)
-    @app.exception_handler(DBAPIError)
+    @app.exception_handler(InterfaceError)
     async def _db_down(_: Request, exc: Exception) -> JSONResponse:
         log.warning("database unavailable: %s", type(exc).__name__)
         return problem_response(503, "Database unavailable", "the job store cannot be reached; retry shortly",

@@ -13,6 +13,24 @@ from sqlmodel import Column, Field, SQLModel
 JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
 
 
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """Timestamps are UTC everywhere. Postgres keeps the zone; SQLite (embedded mode) drops it, so values
+    read back get UTC attached, and naive values are refused on write rather than guessed."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime: store timezone-aware UTC timestamps (use utcnow())")
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -22,7 +40,7 @@ def new_id() -> str:
 
 
 def _ts(nullable: bool = True) -> Any:
-    return Field(default=None, sa_column=Column(sa.DateTime(timezone=True), nullable=nullable))
+    return Field(default=None, sa_column=Column(UTCDateTime(), nullable=nullable))
 
 
 def _json(default: Any = None, nullable: bool = True) -> Any:
@@ -59,7 +77,7 @@ class ApiKey(SQLModel, table=True):
     tenant: str = Field(index=True, max_length=128)
     prefix: str = Field(max_length=16, index=True)
     key_hash: str = Field(max_length=128, unique=True)
-    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(sa.DateTime(timezone=True)))
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
     revoked_at: datetime | None = _ts()
 
 
@@ -109,8 +127,8 @@ class Job(SQLModel, table=True):
     idempotency_key: str | None = Field(default=None, max_length=255)
     request_hash: str | None = Field(default=None, max_length=64)
     cancel_requested: bool = False
-    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(sa.DateTime(timezone=True)))
-    updated_at: datetime = Field(default_factory=utcnow, sa_column=Column(sa.DateTime(timezone=True)))
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
+    updated_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
     enqueued_at: datetime | None = _ts()
     """When the plan message reached the broker; NULL means the outbox still owes it."""
     started_at: datetime | None = _ts()
@@ -163,7 +181,7 @@ class StepAttempt(SQLModel, table=True):
     step_id: int = Field(foreign_key="step.id", index=True)
     n: int
     worker: str | None = Field(default=None, max_length=128)
-    started_at: datetime = Field(default_factory=utcnow, sa_column=Column(sa.DateTime(timezone=True)))
+    started_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
     finished_at: datetime | None = _ts()
     latency_ms: int | None = None
     error_type: str | None = Field(default=None, max_length=64)

