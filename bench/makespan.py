@@ -69,7 +69,8 @@ def main() -> None:
                     wf = {"model_ids": [f"s{i % 4}" for i in range(len(deps))],
                           "subtasks": [f"step {i}" for i in range(len(deps))], "access_lists": deps}
                     started = time.perf_counter()
-                    job_id = client.post("/v1/jobs", json={"task": "bench", "pool": "bench", "workflow": wf}).json()["id"]
+                    body = {"task": "bench", "pool": "bench", "workflow": wf}
+                    job_id = client.post("/v1/jobs", json=body).json()["id"]
                     job = wait_terminal(client, job_id, timeout=120)
                     walls.append(time.perf_counter() - started)
                     assert job["status"] == "succeeded", job
