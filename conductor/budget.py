@@ -73,3 +73,23 @@ def allowed_output_tokens(
                 raise BudgetExceeded(f"cost budget ${cost_budget} leaves no room for this step's output")
             allowed = min(allowed, affordable)
     return allowed
+
+
+def child_limits(limits: dict[str, Any], created_at: datetime, spent: Spent, now: datetime) -> dict[str, Any]:
+    """A recursive step's child job gets what is left of its parent's deadline and budgets, so a tree
+    of jobs never spends more, or runs longer, than the request allowed."""
+    out = dict(limits)
+    deadline = deadline_of(limits, created_at)
+    if deadline is not None:
+        out["deadline_s"] = max((deadline - now).total_seconds(), 0.001)
+    if limits.get("max_tokens") is not None:
+        left = int(limits["max_tokens"]) - spent.tokens
+        if left < 1:
+            raise BudgetExceeded(f"token budget {limits['max_tokens']} exhausted before this recursive step")
+        out["max_tokens"] = left
+    if limits.get("max_cost_usd") is not None:
+        left_usd = float(limits["max_cost_usd"]) - spent.cost_usd
+        if left_usd <= 0:
+            raise BudgetExceeded(f"cost budget ${limits['max_cost_usd']} exhausted before this recursive step")
+        out["max_cost_usd"] = left_usd
+    return out

@@ -293,9 +293,9 @@ def _trace(args: argparse.Namespace) -> int:
     job = _load_job(args.job_id)
     with session_scope() as s:
         if args.json:
-            from conductor.service.app import _steps_tree
+            from conductor.service.views import steps_tree
 
-            print(json.dumps(_steps_tree(s, job.id, depth=0), indent=2))
+            print(json.dumps(steps_tree(s, job.id), indent=2))
         else:
             print(render_trace(s, job, full=args.full))
     return 0

@@ -394,7 +394,7 @@ def _resolve_pool(pool: str, settings: Settings) -> tuple[Settings, Any]:
 
     try:
         path = resolve_pool_path(
-            pool, default_file=settings.pool_file, pools_dirs=pools_dirs(settings), allow_path=True
+            pool, default_file=settings.pool_file, pools_dirs=pools_dirs(settings, local=True), allow_path=True
         )
         config = load_pool(path)
     except PoolError as exc:

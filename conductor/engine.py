@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from conductor.budget import (
     Spent,
     allowed_output_tokens,
     check_deadline,
+    child_limits,
     deadline_of,
     estimate_tokens,
 )
@@ -39,6 +41,7 @@ from conductor.retry import RetryPolicy
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.db import session_scope
+from conductor.store.jobs import WORKER_LOST
 from conductor.store.models import Job, JobStatus, Step, StepStatus, utcnow
 from conductor.workflow import CONDUCTOR_AGENT, WorkflowError, ready_steps
 
@@ -67,34 +70,42 @@ class Dispatch:
 
 
 def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
-    """queued -> planning -> running: asks the planner, writes one row per step, dispatches the roots."""
+    """queued -> planning -> running: asks the planner, writes one row per step, dispatches the roots.
+
+    Each planning run holds a claim number; if the reconciler re-drove this job meanwhile (this worker
+    looked dead), the newer claim wins and this one records nothing.
+    """
     with session_scope() as s:
-        if not store.transition_job(
-            s, job_id=job_id, from_=[JobStatus.QUEUED], to=JobStatus.PLANNING, started_at=utcnow()
-        ):
+        claim = store.claim_planning(s, job_id=job_id)
+        if claim is None:
             return Dispatch()  # already planned, planning elsewhere, or cancelled
         job = store.get_job(s, job_id=job_id)
         assert job is not None
+    if claim > settings.step_max_attempts:
+        return fail_job(job_id, error_type=WORKER_LOST, plan_claim=claim,
+                        message=f"planning was started {claim - 1} times and its worker never finished it")
     try:
         check_deadline(job.limits, job.created_at, utcnow())
         result = make_plan(job, settings=settings)
     except DeadlineExceeded as exc:
-        return fail_job(job_id, error_type="DeadlineExceeded", message=str(exc))
+        return fail_job(job_id, error_type="DeadlineExceeded", message=str(exc), plan_claim=claim)
     except (ProviderError, WorkflowError) as exc:
         kind = "planner_error" if isinstance(exc, ProviderError) else "invalid_workflow"
-        return fail_job(job_id, error_type=kind, message=f"planning failed: {exc}")
+        return fail_job(job_id, error_type=kind, message=f"planning failed: {exc}", plan_claim=claim)
     except Exception as exc:  # a bug must end the job visibly, not leave it 'planning' forever
         log.exception("planning job %s crashed", job_id)
-        return fail_job(job_id, error_type="internal_error", message=f"planning crashed: {type(exc).__name__}: {exc}")
+        return fail_job(job_id, error_type="internal_error", plan_claim=claim,
+                        message=f"planning crashed ({type(exc).__name__}); see the planner worker's log")
     with session_scope() as s:
         if not store.transition_job(
             s,
             job_id=job_id,
             from_=[JobStatus.PLANNING],
             to=JobStatus.RUNNING,
+            plan_claim=claim,
             **_plan_columns(result),
         ):
-            return Dispatch()  # cancelled while the planner ran
+            return Dispatch()  # cancelled while the planner ran, or this claim was superseded
         wf = result.workflow
         store.insert_steps(
             s,
@@ -141,33 +152,44 @@ class _Claimed:
     config: AgentConfig
     max_tokens: int
     deadline: datetime | None
+    owner: str
 
 
 @dataclass
 class _Refused:
-    """Claimed, but the job's limits leave no room for it: the step fails without a call."""
+    """Claimed, but it must not run (limits exhausted, re-driven too often): it fails without a call."""
 
     step_id: int
     error: FatalError
+    owner: str
+
+
+class StepAbandoned(FatalError):
+    """The step's worker died mid-call more often than the attempt limit allows."""
+
+
+class InternalError(FatalError):
+    """An unexpected exception around a provider call: a bug, recorded instead of looping."""
 
 
 def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings) -> Dispatch:
     """Claims the step, renders its messages, calls its agent with retries, records the one outcome."""
-    claimed = _claim(job_id, index, worker=worker, task_id=task_id, settings=settings)
+    owner = f"{worker}#{uuid.uuid4().hex[:12]}"
+    claimed = _claim(job_id, index, owner=owner, task_id=task_id, settings=settings)
     if isinstance(claimed, Dispatch):
         return claimed
     if isinstance(claimed, _Refused):
-        return _fail_step(job_id, claimed.step_id, claimed.error, attempts=0)
-    provider = provider_for(claimed.agent, claimed.config)
+        return _fail_step(job_id, claimed.step_id, claimed.error, attempts=0, owner=claimed.owner)
     policy = RetryPolicy.from_settings(settings)
     timeout = claimed.config.timeout_s or settings.provider_timeout_s
     while True:
         with session_scope() as s:
             step = store.get_step(s, job_id=job_id, index=index)
-            assert step is not None
-            if step.status != StepStatus.RUNNING:
-                return Dispatch()  # cancelled (or finished by another worker) between attempts
-            attempt = store.start_attempt(s, step=step, worker=worker)
+            job = store.get_job(s, job_id=job_id)
+            assert step is not None and job is not None
+            if step.status != StepStatus.RUNNING or step.lease_owner != owner or job.status != JobStatus.RUNNING:
+                return Dispatch()  # cancelled, the job failed, or another worker took the step over
+            attempt = store.start_attempt(s, step=step, worker=owner, lease_s=settings.step_lease_s)
         options = CallOptions(
             temperature=claimed.config.temperature,
             max_tokens=claimed.max_tokens,
@@ -176,9 +198,11 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
         )
         started = time.monotonic()
         try:
+            provider = provider_for(claimed.agent, claimed.config)
             _wait_for_rate_limit(claimed.agent, claimed.config, settings)
             completion = provider.complete(claimed.messages, options)
-        except ProviderError as exc:
+        except Exception as raised:
+            exc = raised if isinstance(raised, ProviderError) else _internal(raised, job_id, index)
             elapsed = int((time.monotonic() - started) * 1000)
             with session_scope() as s:
                 assert attempt.id is not None
@@ -189,12 +213,14 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
                 delay = policy.delay(attempt.n, exc)
                 if claimed.deadline is not None and utcnow() + timedelta(seconds=delay) >= claimed.deadline:
                     late = DeadlineExceeded(f"{exc}; no time left for another attempt before the job's deadline")
-                    return _fail_step(job_id, claimed.step_id, late, attempts=attempt.n)
+                    return _fail_step(job_id, claimed.step_id, late, attempts=attempt.n, owner=owner)
                 log.info("step %s/%s attempt %s: %s; retrying in %.2fs", job_id, index, attempt.n, exc, delay)
-                _renew_lease(claimed.step_id, settings, extra_s=delay)
+                with session_scope() as s:
+                    store.renew_lease(s, step_id=claimed.step_id, lease_owner=owner,
+                                      seconds=settings.step_lease_s + delay)
                 time.sleep(delay)
                 continue
-            return _fail_step(job_id, claimed.step_id, exc, attempts=attempt.n)
+            return _fail_step(job_id, claimed.step_id, exc, attempts=attempt.n, owner=owner)
         with session_scope() as s:
             assert attempt.id is not None
             store.finish_attempt(s, attempt_id=attempt.id, latency_ms=completion.latency_ms)
@@ -203,41 +229,40 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
                 step_id=claimed.step_id,
                 from_=[StepStatus.RUNNING],
                 to=StepStatus.SUCCEEDED,
+                lease_owner=owner,
                 **_completion_columns(completion, claimed.config),
             )
         if not recorded:
-            return Dispatch()  # cancelled meanwhile: the answer is discarded, the attempt stays recorded
+            return Dispatch()  # cancelled or taken over meanwhile: the attempt stays recorded, not the answer
         return advance(job_id)
 
 
+def _internal(exc: Exception, job_id: str, index: int) -> InternalError:
+    log.exception("step %s/%s: unexpected %s", job_id, index, type(exc).__name__, exc_info=exc)
+    return InternalError(f"unexpected {type(exc).__name__} around the provider call; see the worker's log")
+
+
 def _claim(
-    job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings
+    job_id: str, index: int, *, owner: str, task_id: str | None, settings: Settings
 ) -> _Claimed | _Refused | Dispatch:
     with session_scope() as s:
         job = store.get_job(s, job_id=job_id)
         if job is None or job.status != JobStatus.RUNNING:
             return Dispatch()
         step = store.claim_step(
-            s, job_id=job_id, index=index, worker=worker, lease_s=settings.step_lease_s, task_id=task_id
+            s, job_id=job_id, index=index, worker=owner, lease_s=settings.step_lease_s, task_id=task_id
         )
         if step is None or step.id is None:
             return Dispatch()
+        store.close_lost_attempts(s, step_id=step.id)
+        if step.attempts >= settings.step_max_attempts:
+            return _Refused(step.id, StepAbandoned(
+                f"the worker running this step stopped mid-call; gave up after {step.attempts} attempts"), owner)
         steps = store.get_steps(s, job_id=job_id)
         visible = [(steps[d].instruction, steps[d].output or "") for d in step.access_list]
         inherited = [Message(m["role"], m["content"]) for m in (job.context or [])]
         messages = worker_messages(
             task=job.task, visible=visible, instruction=step.instruction, inherited=inherited
-        )
-        if step.agent == CONDUCTOR_AGENT:
-            return _start_child(s, job, step, visible=visible, inherited=inherited, messages=messages)
-        pool = PoolConfig.model_validate(job.pool_config)
-        config = pool.agents[step.agent]
-        store.update_step(
-            s,
-            step_id=step.id,
-            messages=[m.as_dict() for m in messages],
-            provider=config.provider,
-            model=config.model or f"sim-{step.agent}",
         )
         spent = Spent(
             tokens=job.planner_input_tokens + job.planner_output_tokens
@@ -246,6 +271,19 @@ def _claim(
         )
         try:
             check_deadline(job.limits, job.created_at, utcnow())
+            if step.agent == CONDUCTOR_AGENT:
+                remaining_limits = child_limits(job.limits, job.created_at, spent, utcnow())
+                return _start_child(s, job, step, visible=visible, inherited=inherited, messages=messages,
+                                    limits=remaining_limits)
+            pool = PoolConfig.model_validate(job.pool_config)
+            config = pool.agents[step.agent]
+            store.update_step(
+                s,
+                step_id=step.id,
+                messages=[m.as_dict() for m in messages],
+                provider=config.provider,
+                model=config.model or f"sim-{step.agent}",
+            )
             max_tokens = allowed_output_tokens(
                 job.limits,
                 spent,
@@ -254,8 +292,9 @@ def _claim(
                 price=config.price,
             )
         except (BudgetExceeded, DeadlineExceeded) as exc:
-            return _Refused(step.id, exc)
-        return _Claimed(step.id, step.agent, messages, config, max_tokens, deadline_of(job.limits, job.created_at))
+            return _Refused(step.id, exc, owner)
+        deadline = deadline_of(job.limits, job.created_at)
+        return _Claimed(step.id, step.agent, messages, config, max_tokens, deadline, owner)
 
 
 def _start_child(
@@ -266,8 +305,10 @@ def _start_child(
     visible: list[tuple[str, str]],
     inherited: list[Message],
     messages: list[Message],
+    limits: dict[str, Any],
 ) -> Dispatch:
-    """A recursive step: a child job plans and runs with this step's subtask and visible context."""
+    """A recursive step: a child job plans and runs with this step's subtask and visible context, within
+    what is left of its parent's deadline and budgets."""
     assert step.id is not None
     child = Job(
         tenant=job.tenant,
@@ -280,7 +321,7 @@ def _start_child(
         parent_step_index=step.index,
         root_job_id=job.root_job_id or job.id,
         context=[m.as_dict() for m in [*inherited, *turns_as_messages(visible)]],
-        limits=job.limits,
+        limits=limits,
         meta={},
     )
     s.add(child)
@@ -305,13 +346,6 @@ def _wait_for_rate_limit(agent: str, config: AgentConfig, settings: Settings) ->
     get_limiter(settings.broker_url).acquire(agent, config.rpm, timeout_s=settings.rate_limit_wait_s)
 
 
-def _renew_lease(step_id: int, settings: Settings, extra_s: float = 0.0) -> None:
-    with session_scope() as s:
-        store.update_step(
-            s, step_id=step_id, lease_expires_at=utcnow() + timedelta(seconds=settings.step_lease_s + extra_s)
-        )
-
-
 def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
     return {
         "output": c.text,
@@ -326,7 +360,7 @@ def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
     }
 
 
-def _fail_step(job_id: str, step_id: int, exc: ProviderError, *, attempts: int) -> Dispatch:
+def _fail_step(job_id: str, step_id: int, exc: ProviderError, *, attempts: int, owner: str) -> Dispatch:
     reason = "gave up after" if exc.retryable else "not retryable, after"
     message = f"{exc} ({reason} {attempts} attempt{'s' if attempts != 1 else ''})" if attempts else str(exc)
     with session_scope() as s:
@@ -335,6 +369,7 @@ def _fail_step(job_id: str, step_id: int, exc: ProviderError, *, attempts: int) 
             step_id=step_id,
             from_=[StepStatus.RUNNING],
             to=StepStatus.FAILED,
+            lease_owner=owner,
             error_type=type(exc).__name__,
             error=message,
         )
@@ -392,8 +427,14 @@ def finalize_job(job_id: str) -> Dispatch:
     return advance(parent[0]) if parent[0] is not None else Dispatch()
 
 
-def fail_job(job_id: str, *, error_type: str, message: str, step: int | None = None) -> Dispatch:
-    """Fails the job with a readable error; its unfinished steps become ``skipped``; a parent step fails."""
+def fail_job(
+    job_id: str, *, error_type: str, message: str, step: int | None = None, plan_claim: int | None = None
+) -> Dispatch:
+    """Fails the job with a readable error; its unfinished steps become ``skipped``; a parent step fails.
+
+    From planning (``plan_claim`` given) only a job still in that planning claim can be failed, so a
+    superseded planner cannot fail a job another planner already started.
+    """
     with session_scope() as s:
         job = store.get_job(s, job_id=job_id)
         if job is None:
@@ -402,8 +443,10 @@ def fail_job(job_id: str, *, error_type: str, message: str, step: int | None = N
         if not store.transition_job(
             s,
             job_id=job_id,
-            from_=[JobStatus.QUEUED, JobStatus.PLANNING, JobStatus.RUNNING],
+            from_=[JobStatus.PLANNING] if plan_claim is not None else [JobStatus.QUEUED, JobStatus.PLANNING,
+                                                                          JobStatus.RUNNING],
             to=JobStatus.FAILED,
+            plan_claim=plan_claim,
             error_type=error_type,
             error_message=message,
             error_step=step,
@@ -466,7 +509,8 @@ def _totals(job: Job, steps: list[Step]) -> dict[str, Any]:
 def cancel_job(job_id: str) -> bool:
     """Queued steps never start; running ones finish their current call and their answer is dropped.
 
-    Returns False when the job had already ended. Child jobs are cancelled too.
+    Child jobs are cancelled too. A child cancelled on its own fails its parent's recursive step, so
+    the parent ends (failed) instead of waiting forever. Returns False when the job had already ended.
     """
     with session_scope() as s:
         won = store.transition_job(
@@ -481,7 +525,37 @@ def cancel_job(job_id: str) -> bool:
         )
         if won:
             store.close_open_steps(s, job_id=job_id, to=StepStatus.CANCELLED, include_running=True)
+        job = store.get_job(s, job_id=job_id)
         children = [c.id for c in store.get_children(s, job_id=job_id)]
+        parent_id = job.parent_job_id if (won and job is not None) else None
+        if parent_id is not None and job is not None:
+            totals = _totals(job, store.get_steps(s, job_id=job_id))
+            _settle_parent_step(s, job, succeeded=False, answer=None, totals=totals, error="it was cancelled")
     for child in children:
         cancel_job(child)
+    if parent_id is not None:
+        # The parent's recursive step just failed, so advancing it fails the parent: that sends no
+        # message (anything else due would be re-sent by the reconciler from the rows).
+        advance(parent_id)
     return won
+
+
+def settle_from_children(job_id: str) -> Dispatch:
+    """For the reconciler: recursive steps whose child job already ended but never resumed this job
+    (the child's finalize was lost) are settled now."""
+    dispatch = Dispatch()
+    with session_scope() as s:
+        waiting = store.running_steps_with_children(s, job_id=job_id)
+        ended = []
+        for step in waiting:
+            child = store.get_job(s, job_id=step.child_job_id or "")
+            if child is not None and child.status in JobStatus.TERMINAL:
+                ended.append(child)
+        for child in ended:
+            totals = _totals(child, store.get_steps(s, job_id=child.id))
+            reason = child.error_message or child.status
+            _settle_parent_step(s, child, succeeded=child.status == JobStatus.SUCCEEDED, answer=child.answer,
+                                totals=totals, error=reason)
+    if ended:
+        dispatch += advance(job_id)
+    return dispatch

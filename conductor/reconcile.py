@@ -5,8 +5,11 @@ waits out the visibility timeout, a send that failed after the commit). Each pas
 - jobs accepted but never enqueued (broker down at submit) or whose plan message vanished;
 - jobs stuck in ``planning`` longer than a step lease (the planner's worker died);
 - running jobs: steps queued long ago but never claimed, running steps whose lease expired (their
-  worker died), steps whose dependencies are done but were never dispatched, and jobs whose steps
-  are all done but were never finalized.
+  worker died), recursive steps whose child job ended without resuming them, steps whose
+  dependencies are done but were never dispatched, and jobs whose steps are all done but were never
+  finalized.
+A step re-claimed after its worker died, or a planning re-driven, more than ``step_max_attempts``
+times fails instead of running again.
 Every re-send is safe to duplicate: plan, claim and finalize are conditional updates.
 
 Recovery bound: stalled work is re-sent within ``reconcile_stale_s + reconcile_interval_s`` of
@@ -18,11 +21,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from conductor.engine import Dispatch, advance
+from conductor.engine import Dispatch, advance, settle_from_children
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.db import session_scope
 from conductor.store.models import JobStatus, StepStatus, utcnow
+
+ENQUEUE_GRACE_S = 2.0
 
 
 def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
@@ -31,7 +36,8 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
     dispatch = Dispatch()
     report: dict[str, Any] = {}
     with session_scope() as s:
-        never = store.jobs_never_enqueued(s, older_than=now)
+        # A job committed this instant is being published by the API right now: give it a moment.
+        never = store.jobs_never_enqueued(s, older_than=now - timedelta(seconds=ENQUEUE_GRACE_S))
         lost = store.jobs_stuck_queued(s, older_than=stale)
         stuck = store.jobs_stuck_planning(s, older_than=now - timedelta(seconds=settings.step_lease_s))
         for job_id in stuck:
@@ -54,6 +60,7 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
     dispatch.plan += [*never, *lost, *stuck]
     dispatch.steps += resend
     for job_id in running:
+        dispatch += settle_from_children(job_id)
         dispatch += advance(job_id)
     report.update(
         never_enqueued=len(never),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from conductor.store import jobs as store
 from conductor.store.models import Job
 from conductor.workflow import CONDUCTOR_AGENT, FieldError, WorkflowError, parse_workflow
 
+log = logging.getLogger(__name__)
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 MAX_URL_CHARS = 2048
 
@@ -67,6 +69,10 @@ class JobCreate(BaseModel):
     def _url_fits(cls, v: HttpUrl | None) -> HttpUrl | None:
         if v is not None and len(str(v)) > MAX_URL_CHARS:
             raise ValueError(f"longer than {MAX_URL_CHARS} characters once encoded")
+        if v is not None:
+            # Refused rather than stored and silently never called: poll or stream events until then.
+            raise ValueError("webhook delivery is not available yet; poll GET /v1/jobs/{id} or stream "
+                             "GET /v1/jobs/{id}/events")
         return v
 
 
@@ -109,16 +115,29 @@ class IdempotencyConflict(ValueError):
     """The Idempotency-Key was used before with a different request body."""
 
 
-def pools_dirs(settings: Settings) -> list[Path]:
-    dirs = [settings.pool_file.parent, SHIPPED_POOLS_DIR]
-    return [settings.pools_dir, *dirs] if settings.pools_dir else dirs
+def pools_dirs(settings: Settings, *, local: bool = False) -> list[Path]:
+    """Where named pools are found. API clients (tenants) may name only the default pool and the pools
+    in ``CONDUCTOR_POOLS_DIR`` — the ones the operator published; the CLI and ``conductor run`` (the
+    operator) also reach the pools beside the default pool file and the shipped ones."""
+    published = [settings.pools_dir] if settings.pools_dir else []
+    return [*published, settings.pool_file.parent, SHIPPED_POOLS_DIR] if local else published
 
 
-def resolve_pool(name: str | None, settings: Settings, *, allow_path: bool = False) -> PoolConfig:
-    path = resolve_pool_path(
-        name, default_file=settings.pool_file, pools_dirs=pools_dirs(settings), allow_path=allow_path
-    )
-    return load_pool(path)
+def resolve_pool(name: str | None, settings: Settings, *, local: bool = False) -> PoolConfig:
+    if name is None or name == settings.pool_file.stem:
+        path = settings.pool_file
+    else:
+        path = resolve_pool_path(
+            name, default_file=settings.pool_file, pools_dirs=pools_dirs(settings, local=local), allow_path=local
+        )
+    try:
+        return load_pool(path)
+    except PoolError:
+        if local:
+            raise
+        log.exception("pool %r is invalid", name)
+        raise PoolError(f"pool '{name or path.stem}' is misconfigured on the server; its operator's log "
+                        "has the details") from None
 
 
 def request_hash(body: JobCreate) -> str:
@@ -139,7 +158,7 @@ def validate_request(body: JobCreate, settings: Settings, *, allow_pool_path: bo
             413, "Metadata too large", [FieldError(("body", "metadata"), f"over {settings.max_metadata_bytes} bytes")]
         )
     try:
-        pool = resolve_pool(body.pool, settings, allow_path=allow_pool_path)
+        pool = resolve_pool(body.pool, settings, local=allow_pool_path)
     except PoolError as exc:
         raise SubmissionError(422, "Unknown pool", [FieldError(("body", "pool"), str(exc))]) from exc
     planner = body.planner or CONDUCTOR_AGENT

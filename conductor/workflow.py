@@ -196,14 +196,6 @@ def _check_access(
 # --- the dependency graph -------------------------------------------------------------------------
 
 
-def successors(dependencies: Sequence[Sequence[int]]) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in dependencies]
-    for i, deps in enumerate(dependencies):
-        for d in deps:
-            out[d].append(i)
-    return out
-
-
 def ready_steps(
     dependencies: Sequence[Sequence[int]], done: Iterable[int], started: Iterable[int]
 ) -> list[int]:

@@ -34,6 +34,7 @@ def plan_with_model(
     fallback: Callable[[], Workflow],
     context: list[Message] | None = None,
     max_tokens: int = PLANNER_MAX_TOKENS,
+    timeout_s: float = CallOptions.timeout_s,
 ) -> PlanResult:
     """Plans ``task`` with the model behind ``provider``; ``planner_agent`` names its pool entry.
 
@@ -46,7 +47,7 @@ def plan_with_model(
     options = CallOptions(
         temperature=agent.temperature if agent else DEFAULT_TEMPERATURE,
         max_tokens=max_tokens,
-        timeout_s=agent.timeout_s if agent and agent.timeout_s else CallOptions.timeout_s,
+        timeout_s=agent.timeout_s if agent and agent.timeout_s else timeout_s,
         json_schema=workflow_json_schema(pool, max_steps, allow_conductor) if use_schema else None,
     )
     messages = build_planner_messages(

@@ -72,6 +72,7 @@ def _plan_with_agent(
                 fallback=fallback,
                 context=context or None,
                 max_tokens=min(config.max_tokens, 4096),
+                timeout_s=settings.provider_timeout_s,
             )
         except ProviderError as exc:
             if not policy.should_retry(attempt, exc):

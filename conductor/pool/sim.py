@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from conductor.budget import estimate_tokens
 from conductor.pool.base import CallOptions, Completion, Message, Provider
 from conductor.pool.errors import BadRequest, ProviderError, ProviderTimeout, RateLimited, ServerError
 
@@ -25,11 +26,6 @@ class SimOptions(BaseModel):
     """Attempt n fails with ``fail_with[n-1]`` while n <= len(fail_with): scripts mixed failures."""
     always_fail: bool = False
     retry_after_s: float | None = Field(default=None, ge=0)
-
-
-def count_tokens(text: str) -> int:
-    """A stable stand-in for a tokenizer: about four characters per token."""
-    return max(1, (len(text) + 3) // 4)
 
 
 class SimProvider(Provider):
@@ -52,8 +48,8 @@ class SimProvider(Provider):
         text = self.options.reply if self.options.reply is not None else f"[{self.agent}] {instruction}"
         return Completion(
             text=text,
-            input_tokens=sum(count_tokens(m.content) for m in messages),
-            output_tokens=count_tokens(text),
+            input_tokens=sum(estimate_tokens(m.content) for m in messages),
+            output_tokens=estimate_tokens(text),
             finish_reason="stop",
             model=f"sim-{self.agent}",
             latency_ms=int((time.monotonic() - started) * 1000),

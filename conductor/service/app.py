@@ -7,7 +7,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
@@ -18,9 +18,10 @@ from pydantic import BaseModel
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from sqlmodel import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conductor.engine import cancel_job
-from conductor.service.views import job_links, job_view, step_view
+from conductor.service.views import job_links, job_view, steps_tree
 from conductor.settings import Settings, get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
@@ -86,9 +87,7 @@ def session_dep(settings: SettingsDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(session_dep)]
 
 
-def tenant_dep(
-    session: SessionDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
-) -> str:
+def resolve_tenant(session: Session, settings: Settings, authorization: str | None) -> str:
     if not settings.auth_required:
         return DEFAULT_TENANT
     scheme, _, key = (authorization or "").partition(" ")
@@ -99,6 +98,12 @@ def tenant_dep(
     if tenant is None:
         raise Problem(401, "Unauthorized", "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
     return tenant
+
+
+def tenant_dep(
+    session: SessionDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+) -> str:
+    return resolve_tenant(session, settings, authorization)
 
 
 TenantDep = Annotated[str, Depends(tenant_dep)]
@@ -162,7 +167,7 @@ def create_app() -> FastAPI:
     @app.get("/v1/jobs/{job_id}/steps", responses=problems(401, 404, 503))
     def get_steps(job_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
         job = _job_or_404(session, job_id, tenant)
-        data = _steps_tree(session, job.id, depth=0)
+        data = steps_tree(session, job.id)
         return {"data": data, "count": len(data)}
 
     @app.get(
@@ -170,10 +175,17 @@ def create_app() -> FastAPI:
         responses={**problems(401, 404, 503), 200: {"content": {"text/event-stream": {}}}},
         response_class=StreamingResponse,
     )
-    def events(job_id: str, session: SessionDep, tenant: TenantDep, settings: SettingsDep) -> StreamingResponse:
+    def events(
+        job_id: str, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+    ) -> StreamingResponse:
         """Server-sent events: ``job`` on each status change, ``step`` on each step status change; the
-        stream ends when the job does (or after ``EVENTS_MAX_S``)."""
-        job = _job_or_404(session, job_id, tenant)
+        stream ends when the job does (or after ``EVENTS_MAX_S``).
+
+        Authorization and the lookup use a short session of their own: a stream may stay open for an
+        hour and must not hold a pooled connection meanwhile (each poll takes one briefly).
+        """
+        with Session(get_engine(settings.database_url)) as session:
+            job = _job_or_404(session, job_id, resolve_tenant(session, settings, authorization))
         return StreamingResponse(
             _event_stream(job.id, settings.database_url),
             media_type="text/event-stream",
@@ -204,7 +216,6 @@ def _job_or_404(session: Session, job_id: str, tenant: str) -> Any:
     return job
 
 
-MAX_TREE_DEPTH = 6
 EVENTS_POLL_S = 0.25
 EVENTS_HEARTBEAT_S = 15.0
 EVENTS_MAX_S = 3600.0
@@ -246,28 +257,6 @@ def _snapshot(job_id: str, database_url: str) -> tuple[dict[str, Any], list[dict
             for st in steps
         ]
         return job_event, step_events
-
-
-def _steps_tree(session: Session, job_id: str, depth: int) -> list[dict[str, Any]]:
-    """Steps with each recursive step's child job (and its steps) nested under it."""
-    steps = store.get_steps(session, job_id=job_id)
-    attempts = store.get_attempts(session, step_ids=[s.id for s in steps if s.id is not None])
-    out = []
-    for st in steps:
-        view = step_view(st, [a for a in attempts if a.step_id == st.id])
-        if st.child_job_id and depth < MAX_TREE_DEPTH:
-            child = store.get_job(session, job_id=st.child_job_id)
-            if child is not None:
-                view["child"] = {
-                    "job_id": child.id,
-                    "status": child.status,
-                    "depth": child.depth,
-                    "workflow_source": child.workflow_source,
-                    "answer": child.answer,
-                    "steps": _steps_tree(session, child.id, depth + 1),
-                }
-        out.append(view)
-    return out
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -313,14 +302,35 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_body_limit(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    app.add_middleware(BodyLimit)
+
+
+class BodyLimit:
+    """413 for bodies over ``max_body_bytes``: by Content-Length up front, and by counting the bytes as
+    they arrive (a chunked body has no length), so an oversize body is never buffered whole."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         limit = get_settings().max_body_bytes
-        declared = request.headers.get("content-length")
+        declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return problem_response(413, "Request body too large", f"the limit is {limit} bytes")
-        if request.method in ("POST", "PUT", "PATCH"):
-            body = await request.body()  # cached by Starlette for the route
-            if len(body) > limit:
-                return problem_response(413, "Request body too large", f"the limit is {limit} bytes")
-        return await call_next(request)
+            await problem_response(413, "Request body too large", f"the limit is {limit} bytes")(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # FastAPI re-raises an HTTPException from body reading as it is (our problem handler).
+                    raise StarletteHTTPException(413, "Request body too large")
+            return message
+
+        await self.app(scope, counted, send)

@@ -5,7 +5,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from sqlmodel import Session
+
+from conductor.store import jobs as store
 from conductor.store.models import Job, Step, StepAttempt
+
+MAX_TREE_DEPTH = 6
 
 
 def _iso(ts: datetime | None) -> str | None:
@@ -107,3 +112,25 @@ def step_view(step: Step, attempts: list[StepAttempt]) -> dict[str, Any]:
         "started_at": _iso(step.started_at),
         "finished_at": _iso(step.finished_at),
     }
+
+
+def steps_tree(session: Session, job_id: str, depth: int = 0) -> list[dict[str, Any]]:
+    """Steps with each recursive step's child job (and its steps) nested under it."""
+    steps = store.get_steps(session, job_id=job_id)
+    attempts = store.get_attempts(session, step_ids=[s.id for s in steps if s.id is not None])
+    out = []
+    for st in steps:
+        view = step_view(st, [a for a in attempts if a.step_id == st.id])
+        if st.child_job_id and depth < MAX_TREE_DEPTH:
+            child = store.get_job(session, job_id=st.child_job_id)
+            if child is not None:
+                view["child"] = {
+                    "job_id": child.id,
+                    "status": child.status,
+                    "depth": child.depth,
+                    "workflow_source": child.workflow_source,
+                    "answer": child.answer,
+                    "steps": steps_tree(session, child.id, depth + 1),
+                }
+        out.append(view)
+    return out

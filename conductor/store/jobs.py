@@ -25,14 +25,10 @@ def get_job_by_idempotency_key(session: Session, *, tenant: str, key: str) -> Jo
     return session.exec(select(Job).where(Job.tenant == tenant, Job.idempotency_key == key)).first()
 
 
-def list_jobs(
-    session: Session, *, tenant: str, status: str | None = None, limit: int = 50, before: datetime | None = None
-) -> list[Job]:
+def list_jobs(session: Session, *, tenant: str, status: str | None = None, limit: int = 50) -> list[Job]:
     stmt = select(Job).where(Job.tenant == tenant, col(Job.parent_job_id).is_(None))
     if status:
         stmt = stmt.where(Job.status == status)
-    if before:
-        stmt = stmt.where(Job.created_at < before)
     return list(session.exec(stmt.order_by(col(Job.created_at).desc()).limit(limit)))
 
 
@@ -57,14 +53,36 @@ def get_children(session: Session, *, job_id: str) -> list[Job]:
     return list(session.exec(select(Job).where(Job.parent_job_id == job_id)))
 
 
-def transition_job(session: Session, *, job_id: str, from_: Sequence[str], to: str, **values: Any) -> bool:
-    """Moves a job to ``to`` only from one of ``from_``; returns whether this caller won."""
-    stmt = (
-        sa.update(Job)
-        .where(col(Job.id) == job_id, col(Job.status).in_(list(from_)))
-        .values(status=to, updated_at=utcnow(), **values)
+def transition_job(
+    session: Session,
+    *,
+    job_id: str,
+    from_: Sequence[str],
+    to: str,
+    plan_claim: int | None = None,
+    **values: Any,
+) -> bool:
+    """Moves a job to ``to`` only from one of ``from_`` (and, with ``plan_claim``, only if that planning
+    claim is still the current one); returns whether this caller won."""
+    stmt = sa.update(Job).where(col(Job.id) == job_id, col(Job.status).in_(list(from_)))
+    if plan_claim is not None:
+        stmt = stmt.where(col(Job.plan_claims) == plan_claim)
+    return _rowcount(session.execute(stmt.values(status=to, updated_at=utcnow(), **values))) == 1
+
+
+def claim_planning(session: Session, *, job_id: str) -> int | None:
+    """queued -> planning; returns this claim's number (the fencing token), or None if not queued."""
+    won = transition_job(
+        session,
+        job_id=job_id,
+        from_=[JobStatus.QUEUED],
+        to=JobStatus.PLANNING,
+        started_at=sa.func.coalesce(col(Job.started_at), utcnow()),
+        plan_claims=col(Job.plan_claims) + 1,
     )
-    return _rowcount(session.execute(stmt)) == 1
+    if not won:
+        return None
+    return int(session.execute(sa.select(col(Job.plan_claims)).where(col(Job.id) == job_id)).scalar_one())
 
 
 def update_job(session: Session, *, job_id: str, **values: Any) -> None:
@@ -96,6 +114,8 @@ def claim_step(
 ) -> Step | None:
     """queued -> running (or re-take a running step whose lease expired: its worker died).
 
+    ``worker`` must be unique per claim: it is the fencing token every later write of this attempt
+    checks, so a worker that lost its lease can no longer record anything.
     Returns the claimed step, or None when the step is finished, running elsewhere, or not due.
     """
     now = utcnow()
@@ -129,18 +149,23 @@ def claim_step(
 WORKER_LOST = "WorkerLost"
 
 
-def start_attempt(session: Session, *, step: Step, worker: str) -> StepAttempt:
-    """Opens attempt n+1. An earlier attempt still open belonged to a worker that died mid-call."""
-    assert step.id is not None
-    session.execute(
+def close_lost_attempts(session: Session, *, step_id: int) -> int:
+    """Attempts still open when a step is re-claimed belonged to a worker that died mid-call."""
+    result = session.execute(
         sa.update(StepAttempt)
-        .where(col(StepAttempt.step_id) == step.id, col(StepAttempt.finished_at).is_(None))
+        .where(col(StepAttempt.step_id) == step_id, col(StepAttempt.finished_at).is_(None))
         .values(
             finished_at=utcnow(),
             error_type=WORKER_LOST,
             error="the worker running this attempt stopped before it finished (its lease expired)",
         )
     )
+    return _rowcount(result)
+
+
+def start_attempt(session: Session, *, step: Step, worker: str, lease_s: float) -> StepAttempt:
+    """Opens attempt n+1 and extends the lease to cover it."""
+    assert step.id is not None
     n = int(
         session.execute(
             sa.select(sa.func.coalesce(sa.func.max(StepAttempt.n), 0)).where(col(StepAttempt.step_id) == step.id)
@@ -148,7 +173,11 @@ def start_attempt(session: Session, *, step: Step, worker: str) -> StepAttempt:
     ) + 1
     attempt = StepAttempt(step_id=step.id, n=n, worker=worker)
     session.add(attempt)
-    session.execute(sa.update(Step).where(col(Step.id) == step.id).values(attempts=n))
+    session.execute(
+        sa.update(Step)
+        .where(col(Step.id) == step.id)
+        .values(attempts=n, lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+    )
     session.flush()
     return attempt
 
@@ -163,12 +192,23 @@ def finish_attempt(
     )
 
 
-def finish_step(session: Session, *, step_id: int, to: str, from_: Sequence[str], **values: Any) -> bool:
-    """Records a step's one final outcome; a second completion of the same step changes nothing."""
+def finish_step(
+    session: Session, *, step_id: int, to: str, from_: Sequence[str], lease_owner: str | None = None, **values: Any
+) -> bool:
+    """Records a step's one final outcome; a second completion of the same step changes nothing, and
+    with ``lease_owner`` neither does a worker whose claim was taken over."""
+    stmt = sa.update(Step).where(col(Step.id) == step_id, col(Step.status).in_(list(from_)))
+    if lease_owner is not None:
+        stmt = stmt.where(col(Step.lease_owner) == lease_owner)
+    stmt = stmt.values(status=to, finished_at=utcnow(), lease_expires_at=None, **values)
+    return _rowcount(session.execute(stmt)) == 1
+
+
+def renew_lease(session: Session, *, step_id: int, lease_owner: str, seconds: float) -> bool:
     stmt = (
         sa.update(Step)
-        .where(col(Step.id) == step_id, col(Step.status).in_(list(from_)))
-        .values(status=to, finished_at=utcnow(), lease_expires_at=None, **values)
+        .where(col(Step.id) == step_id, col(Step.lease_owner) == lease_owner, col(Step.status) == StepStatus.RUNNING)
+        .values(lease_expires_at=utcnow() + timedelta(seconds=seconds))
     )
     return _rowcount(session.execute(stmt)) == 1
 
@@ -201,6 +241,16 @@ def close_open_steps(
 # --- what the reconciler looks for ----------------------------------------------------------------
 
 
+def running_steps_with_children(session: Session, *, job_id: str) -> list[Step]:
+    return list(
+        session.exec(
+            select(Step).where(
+                Step.job_id == job_id, Step.status == StepStatus.RUNNING, col(Step.child_job_id).is_not(None)
+            )
+        )
+    )
+
+
 def jobs_never_enqueued(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:
     stmt = select(Job.id).where(
         Job.status == JobStatus.QUEUED, col(Job.enqueued_at).is_(None), Job.created_at < older_than
@@ -222,8 +272,13 @@ def jobs_stuck_planning(session: Session, *, older_than: datetime, limit: int = 
 
 
 def running_job_ids(session: Session, *, older_than: datetime, limit: int = 500) -> list[str]:
+    """Running jobs, least recently examined first; the reconciler touches each one it examines, so
+    with more than ``limit`` running jobs successive passes rotate through all of them."""
     stmt = select(Job.id).where(Job.status == JobStatus.RUNNING, Job.updated_at < older_than)
-    return list(session.exec(stmt.limit(limit)))
+    ids = list(session.exec(stmt.order_by(col(Job.updated_at)).limit(limit)))
+    if ids:
+        session.execute(sa.update(Job).where(col(Job.id).in_(ids)).values(updated_at=utcnow()))
+    return ids
 
 
 def _rowcount(result: Any) -> int:

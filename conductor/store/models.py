@@ -109,6 +109,9 @@ class Job(SQLModel, table=True):
     planner_raw: str | None = Field(default=None, sa_column=Column(sa.Text))
     planner_error: str | None = Field(default=None, sa_column=Column(sa.Text))
     planner_attempts: int = 0
+    plan_claims: int = 0
+    """How many times a planner worker took this job: a fencing token for planning (a worker whose
+    claim was superseded records nothing) and the cap on re-driving a planning that keeps dying."""
     answer: str | None = Field(default=None, sa_column=Column(sa.Text))
     error_type: str | None = Field(default=None, max_length=64)
     error_message: str | None = Field(default=None, sa_column=Column(sa.Text))

@@ -55,6 +55,19 @@ def test_oversize_body_is_413(client: httpx.Client) -> None:
     assert r.status_code == 413 and r.headers["content-type"].startswith("application/problem+json")
 
 
+def test_oversize_chunked_body_is_413_without_a_length(client: httpx.Client) -> None:
+    def chunks():  # type: ignore[no-untyped-def]
+        yield b'{"task": "'
+        for _ in range(40):
+            yield b"x" * 65_536
+        yield b'"}'
+
+    r = client.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 413, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+
+
 def test_retry_after_429_then_500_then_success(client: httpx.Client) -> None:
     job = run(client, ["flaky"], [[]])
     assert job["status"] == "succeeded"
@@ -83,8 +96,10 @@ def test_cancel_mid_run(client: httpx.Client) -> None:
     created = client.post("/v1/jobs", json={"task": "t", "workflow": wf(["slow", "a"], [[], [0]])})
     job_id = created.json()["id"]
     deadline = time.monotonic() + 30
-    while client.get(f"/v1/jobs/{job_id}/steps").json()["data"][:1] == [] or \
-            client.get(f"/v1/jobs/{job_id}/steps").json()["data"][0]["status"] != "running":
+    while True:  # wait until step 0's call is in flight (an attempt exists), then cancel
+        steps = client.get(f"/v1/jobs/{job_id}/steps").json()["data"]
+        if steps and steps[0]["attempts"]:
+            break
         assert time.monotonic() < deadline, "step 0 never started"
         time.sleep(0.05)
     r = client.post(f"/v1/jobs/{job_id}/cancel")
@@ -157,3 +172,9 @@ def test_requests_per_minute_are_shared_by_all_steps_of_an_agent(client: httpx.C
     [refused] = [s for s in steps if s["status"] == "failed"]
     assert [a["error"]["type"] for a in refused["attempts"]] == ["RateLimitTimeout"]
     assert job["status"] == "failed" and job["error"]["type"] == "DeadlineExceeded"
+
+
+def test_a_misconfigured_agent_fails_the_job_instead_of_hanging(client: httpx.Client) -> None:
+    job = run(client, ["misconfigured"], [[]])
+    assert job["status"] == "failed" and job["error"]["type"] == "ConfigError", job
+    assert "base_url" in job["error"]["message"]

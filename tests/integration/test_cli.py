@@ -48,7 +48,7 @@ def test_keys_submit_wait_status_trace(proc_env: dict[str, str], api: str, clien
 def test_errors_are_one_line_and_non_zero(proc_env: dict[str, str]) -> None:
     missing = cli("trace", "no-such-job", env=proc_env)
     assert missing.returncode == 1 and missing.stderr.startswith("conductor: no job 'no-such-job'")
-    assert "postgres@" in missing.stderr and "Traceback" not in missing.stderr
+    assert "postgresql+psycopg://" in missing.stderr and "Traceback" not in missing.stderr
     down = cli("submit", "x", env={**proc_env, "CONDUCTOR_API_URL": "http://127.0.0.1:1"})
     assert down.returncode == 1 and "is 'conductor serve' running?" in down.stderr
     bad_db = cli("migrate", env={**proc_env, "CONDUCTOR_DATABASE_URL": "postgresql+psycopg://nobody:secret@127.0.0.1:1/x"})

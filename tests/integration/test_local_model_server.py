@@ -68,12 +68,14 @@ def test_a_job_planned_and_run_by_a_real_local_model(client: httpx.Client, pools
     if wf["source"] == "fallback":
         assert wf["planner_error"], "a fallback must say why the planner's output was refused"
     planner_usage = job["usage"]["planner"]
-    assert planner_usage["calls"] >= 1 and planner_usage["input_tokens"] > 0 and planner_usage["output_tokens"] > 0
+    assert planner_usage["calls"] >= 1 and planner_usage["output_tokens"] > 0
+    # The server's gemma template drops system messages; fold_system moved the planner's system prompt
+    # (pool, rules, examples: far over 500 tokens) into the user turn, so the model saw all of it.
+    assert planner_usage["input_tokens"] > 500 * planner_usage["calls"]
 
     steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
     assert 1 <= len(steps) <= 2
     for step in steps:
-        # The worker was sent its system text (the task) folded into its first user turn.
         assert "Name the capital of France" in step["messages"][0]["content"]
         assert step["status"] == "succeeded" and step["agent"] == "gemma"
         assert step["model"] == "gemma-3-270m" and step["provider"] == "openai_compatible"

@@ -103,6 +103,9 @@ def test_template_planner_fanout(client: httpx.Client) -> None:
             ["body", "workflow", "steps", 0, "access_list", 0],
         ),
         ({"task": "t", "pool": "no-such-pool"}, 422, ["body", "pool"]),
+        ({"task": "t", "pool": "research"}, 422, ["body", "pool"]),  # shipped, but not published to tenants
+        ({"task": "t", "pool": "../pools/sim"}, 422, ["body", "pool"]),
+        ({"task": "t", "webhook_url": "https://example.com/hook"}, 422, ["body", "webhook_url"]),
         ({"task": "t", "planner": "template:nope"}, 422, ["body", "planner"]),
         ({"task": "t", "surprise": 1}, 422, ["body", "surprise"]),
     ],

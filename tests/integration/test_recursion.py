@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ class ScriptedPlanner:
         with self.lock:
             self.child_calls += 1
             n = self.child_calls
-        assert n == 1 or "conductor" in request  # the re-ask quotes the validation error
+        assert n == 1 or "recursion depth limit" in request  # the re-ask quotes the validation error
         return json.dumps(CHILD_PLAN_WITH_RECURSION if n == 1 else CHILD_PLAN)
 
 
@@ -125,3 +126,25 @@ def test_invalid_planner_output_falls_back_and_is_recorded(client: httpx.Client,
     wf = job["workflow"]
     assert wf["source"] == "fallback" and wf["format_valid"] is False and wf["planner_error"]
     assert [s["agent"] for s in wf["steps"]] == ["a"]  # template:single over the pool's first worker
+
+
+def test_cancelling_a_child_job_fails_its_parent_instead_of_stranding_it(client: httpx.Client, pools_dir: Path) -> None:
+    pool = {"planner": "template:single", "agents": {"slow": {"provider": "sim", "options": {"latency_ms": 3000}}}}
+    (pools_dir / "slow-child.yaml").write_text(yaml.safe_dump(pool))
+    body = {"task": "t", "pool": "slow-child",
+            "workflow": {"model_ids": ["conductor", "slow"], "subtasks": ["recurse", "after"],
+                         "access_lists": [[], [0]]}}
+    job_id = client.post("/v1/jobs", json=body).json()["id"]
+    deadline = time.monotonic() + 30
+    while True:
+        steps = client.get(f"/v1/jobs/{job_id}/steps").json()["data"]
+        if steps and (child_id := steps[0]["child_job_id"]):
+            break
+        assert time.monotonic() < deadline, "the recursive step never started its child"
+        time.sleep(0.05)
+    assert client.post(f"/v1/jobs/{child_id}/cancel").status_code == 202
+    job = wait_terminal(client, job_id)
+    assert job["status"] == "failed" and job["error"]["step"] == 0, job
+    assert f"child job {child_id} failed: it was cancelled" in job["error"]["message"]
+    steps = client.get(f"/v1/jobs/{job_id}/steps").json()["data"]
+    assert [s["status"] for s in steps] == ["failed", "skipped"]

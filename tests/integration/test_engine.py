@@ -1,0 +1,75 @@
+"""Engine transitions on a real Postgres, driven directly (no broker): the cases a fault test cannot
+stage on demand — a step whose worker keeps dying, a planner whose claim was superseded."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import sqlalchemy as sa
+
+from conductor.engine import fail_job, plan_job, run_step
+from conductor.settings import get_settings
+from conductor.store import jobs as store
+from conductor.store.db import get_engine, session_scope
+from conductor.store.models import JobStatus, StepAttempt, StepStatus, utcnow
+from conductor.submission import JobCreate, create_job
+
+
+def new_job(**body: object) -> str:
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "engine test", **body}), tenant="engine",
+                            settings=get_settings())
+        return job.id
+
+
+def test_a_step_whose_worker_keeps_dying_fails_instead_of_running_forever() -> None:
+    settings = get_settings()
+    job_id = new_job(workflow={"model_ids": ["a"], "subtasks": ["s"], "access_lists": [[]]})
+    assert plan_job(job_id, settings=settings).steps == [(job_id, 0)]
+    with session_scope() as s:  # what `step_max_attempts` crashed workers leave behind
+        step = store.get_step(s, job_id=job_id, index=0)
+        assert step is not None and step.id is not None
+        for n in range(1, settings.step_max_attempts + 1):
+            s.add(StepAttempt(step_id=step.id, n=n, worker="dead", finished_at=None if n == 4 else utcnow(),
+                              error_type=None if n == 4 else "WorkerLost"))
+        store.update_step(s, step_id=step.id, status=StepStatus.RUNNING, attempts=settings.step_max_attempts,
+                          lease_owner="dead#1", lease_expires_at=utcnow() - timedelta(seconds=1))
+
+    run_step(job_id, 0, worker="rescuer", task_id=None, settings=settings)
+
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        step = store.get_step(s, job_id=job_id, index=0)
+        assert job is not None and step is not None and step.id is not None
+        attempts = store.get_attempts(s, step_ids=[step.id])
+    assert step.status == StepStatus.FAILED and step.error_type == "StepAbandoned"
+    assert job.status == JobStatus.FAILED and "gave up after 4 attempts" in (job.error_message or "")
+    assert len(attempts) == 4 and all(a.finished_at is not None for a in attempts)  # no new call was made
+    assert attempts[-1].error_type == "WorkerLost"
+
+
+def test_a_superseded_planner_cannot_fail_the_job_its_successor_started() -> None:
+    settings = get_settings()
+    job_id = new_job(planner="template:single")
+    with session_scope() as s:
+        first = store.claim_planning(s, job_id=job_id)  # planner A takes it, then looks dead
+        assert first == 1
+        assert store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
+    assert plan_job(job_id, settings=settings).steps == [(job_id, 0)]  # planner B, claim 2
+    fail_job(job_id, error_type="planner_error", message="A's late failure", plan_claim=first)
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None and job.status == JobStatus.RUNNING and job.plan_claims == 2
+
+
+def test_planning_that_never_finishes_is_capped() -> None:
+    settings = get_settings()
+    job_id = new_job(planner="template:single")
+    with get_engine(settings.database_url).begin() as conn:
+        conn.execute(sa.text("UPDATE job SET plan_claims = :n WHERE id = :id"),
+                     {"n": settings.step_max_attempts, "id": job_id})
+    plan_job(job_id, settings=settings)
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None and job.status == JobStatus.FAILED and job.error_type == "WorkerLost"
+        assert store.get_steps(s, job_id=job_id) == []
