@@ -75,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     c = keys.add_parser("create", help="create an API key for a tenant (printed once, on the last line)")
     c.add_argument("--tenant", required=True)
     c.set_defaults(handler=_keys_create)
+    c = keys.add_parser("list", help="list API keys (prefixes only; keys are never stored)")
+    c.add_argument("--tenant")
+    c.set_defaults(handler=_keys_list)
+    c = keys.add_parser("revoke", help="revoke an API key by the prefix 'keys list' shows")
+    c.add_argument("prefix")
+    c.set_defaults(handler=_keys_revoke)
 
     c = sub.add_parser("submit", help="submit a job to the API")
     c.add_argument("task")
@@ -182,6 +188,29 @@ def _keys_create(args: argparse.Namespace) -> int:
         row, key = create_key(s, tenant=tenant, pepper=get_settings().api_key_pepper)
     print(f"created key {row.prefix}… for tenant '{tenant}' (shown once; store it now):")
     print(key)
+    return 0
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    from conductor.store.db import session_scope
+    from conductor.store.keys import list_keys
+
+    with session_scope() as s:
+        for row in list_keys(s, tenant=args.tenant):
+            state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
+            print(f"{row.prefix}…  tenant={row.tenant}  created {row.created_at:%Y-%m-%d %H:%M}  {state}")
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    from conductor.store.db import session_scope
+    from conductor.store.keys import revoke_key
+
+    with session_scope() as s:
+        count = revoke_key(s, prefix=args.prefix.rstrip("…"))
+    if count == 0:
+        raise CliError(f"no active key starts with '{args.prefix}'; see 'conductor keys list'")
+    print(f"revoked {count} key{'s' if count != 1 else ''}")
     return 0
 
 

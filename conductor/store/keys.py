@@ -8,7 +8,7 @@ import secrets
 
 from sqlmodel import Session, col, select
 
-from conductor.store.models import ApiKey
+from conductor.store.models import ApiKey, utcnow
 
 KEY_PREFIX = "cq_"
 
@@ -31,3 +31,21 @@ def tenant_for_key(session: Session, *, key: str, pepper: str = "") -> str | Non
         select(ApiKey).where(ApiKey.key_hash == hash_key(key, pepper), col(ApiKey.revoked_at).is_(None))
     ).first()
     return row.tenant if row else None
+
+
+def list_keys(session: Session, *, tenant: str | None = None) -> list[ApiKey]:
+    stmt = select(ApiKey).order_by(col(ApiKey.created_at))
+    if tenant is not None:
+        stmt = stmt.where(ApiKey.tenant == tenant)
+    return list(session.exec(stmt))
+
+
+def revoke_key(session: Session, *, prefix: str) -> int:
+    """Revokes the active keys starting with ``prefix`` (as ``keys list`` shows it); returns how many."""
+    rows = session.exec(
+        select(ApiKey).where(ApiKey.prefix == prefix[: len(KEY_PREFIX) + 7], col(ApiKey.revoked_at).is_(None))
+    ).all()
+    for row in rows:
+        row.revoked_at = utcnow()
+        session.add(row)
+    return len(rows)

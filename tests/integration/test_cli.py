@@ -59,3 +59,15 @@ def test_errors_are_one_line_and_non_zero(proc_env: dict[str, str]) -> None:
 def test_migrate_is_idempotent(proc_env: dict[str, str]) -> None:
     result = cli("migrate", env=proc_env)
     assert result.returncode == 0 and "latest revision" in result.stdout
+
+
+def test_a_revoked_key_is_refused(proc_env: dict[str, str], api: str) -> None:
+    key = cli("keys", "create", "--tenant", "short-lived", env=proc_env).stdout.strip().splitlines()[-1]
+    assert httpx.get(f"{api}/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    listed = cli("keys", "list", "--tenant", "short-lived", env=proc_env)
+    assert listed.returncode == 0 and key[:10] in listed.stdout and key not in listed.stdout
+    revoked = cli("keys", "revoke", key[:10], env=proc_env)
+    assert revoked.returncode == 0 and "revoked 1 key" in revoked.stdout
+    assert httpx.get(f"{api}/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+    again = cli("keys", "revoke", key[:10], env=proc_env)
+    assert again.returncode == 1 and "no active key" in again.stderr
