@@ -12,13 +12,14 @@ A step re-claimed after its worker died, or a planning re-driven, more than ``st
 times fails instead of running again.
 Every re-send is safe to duplicate: plan, claim and finalize are conditional updates.
 
-Recovery bound: stalled work is re-sent within ``reconcile_stale_s + reconcile_interval_s`` of
-stalling; a crashed worker's step within ``step_lease_s + reconcile_interval_s``.
+Recovery bound: stalled work is first re-sent within ``reconcile_stale_s + reconcile_interval_s`` of
+stalling (later re-sends of the same message back off exponentially); a crashed worker's step within
+``step_lease_s + reconcile_interval_s``.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from conductor.engine import Dispatch, advance, settle_from_children
@@ -28,17 +29,22 @@ from conductor.store.db import session_scope
 from conductor.store.models import JobStatus, StepStatus, utcnow
 
 ENQUEUE_GRACE_S = 2.0
+MAX_BACKOFF_DOUBLINGS = 6
 
 
 def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
     now = utcnow()
-    stale = now - timedelta(seconds=settings.reconcile_stale_s)
+    stale_s = settings.reconcile_stale_s
     dispatch = Dispatch()
     report: dict[str, Any] = {}
     with session_scope() as s:
         # A job committed this instant is being published by the API right now: give it a moment.
         never = store.jobs_never_enqueued(s, older_than=now - timedelta(seconds=ENQUEUE_GRACE_S))
-        lost = store.jobs_stuck_queued(s, older_than=stale)
+        lost = []
+        for job in store.jobs_stuck_queued(s, older_than=now - timedelta(seconds=stale_s)):
+            if job.enqueued_at is not None and due(job.enqueued_at, job.plan_resends, stale_s, now):
+                lost.append(job.id)
+                store.update_job(s, job_id=job.id, plan_resends=job.plan_resends + 1)
         stuck = store.jobs_stuck_planning(s, older_than=now - timedelta(seconds=settings.step_lease_s))
         for job_id in stuck:
             store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
@@ -46,7 +52,11 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         resend: list[tuple[str, int]] = []
         for job_id in running:
             for step in store.get_steps(s, job_id=job_id):
-                overdue = step.status == StepStatus.QUEUED and step.queued_at is not None and step.queued_at < stale
+                overdue = (
+                    step.status == StepStatus.QUEUED
+                    and step.queued_at is not None
+                    and due(step.queued_at, step.resends, stale_s, now)
+                )
                 expired = (
                     step.status == StepStatus.RUNNING
                     and step.child_job_id is None
@@ -56,7 +66,7 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
                 if overdue or expired:
                     resend.append((job_id, step.index))
                     if overdue and step.id is not None:
-                        store.update_step(s, step_id=step.id, queued_at=now)
+                        store.update_step(s, step_id=step.id, queued_at=now, resends=step.resends + 1)
     dispatch.plan += [*never, *lost, *stuck]
     dispatch.steps += resend
     for job_id in running:
@@ -71,3 +81,13 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize),
     )
     return report, dispatch
+
+
+def due(last_sent: datetime, resends: int, stale_s: float, now: datetime) -> bool:
+    """Whether a message sent at ``last_sent`` and already re-sent ``resends`` times should go again.
+
+    The wait doubles with each re-send (capped at 64x): a message lost outright is re-sent after
+    ``stale_s``, while one that is only waiting behind a long backlog is duplicated a logarithmic
+    number of times, not once per pass (duplicates are harmless, a flooded queue is not).
+    """
+    return now - last_sent >= timedelta(seconds=stale_s * 2 ** min(resends, MAX_BACKOFF_DOUBLINGS))

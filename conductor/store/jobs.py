@@ -258,12 +258,12 @@ def jobs_never_enqueued(session: Session, *, older_than: datetime, limit: int = 
     return list(session.exec(stmt.limit(limit)))
 
 
-def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:
-    """Queued jobs whose plan message was sent but never picked up (lost message)."""
-    stmt = select(Job.id).where(
+def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 500) -> list[Job]:
+    """Queued jobs whose plan message was sent a while ago but not yet picked up (lost, or waiting)."""
+    stmt = select(Job).where(
         Job.status == JobStatus.QUEUED, col(Job.enqueued_at).is_not(None), col(Job.enqueued_at) < older_than
     )
-    return list(session.exec(stmt.limit(limit)))
+    return list(session.exec(stmt.order_by(col(Job.enqueued_at)).limit(limit)))
 
 
 def jobs_stuck_planning(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:

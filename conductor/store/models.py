@@ -110,6 +110,8 @@ class Job(SQLModel, table=True):
     planner_error: str | None = Field(default=None, sa_column=Column(sa.Text))
     planner_attempts: int = 0
     plan_claims: int = 0
+    plan_resends: int = 0
+    """How often the reconciler re-sent this job's plan message (it backs off exponentially)."""
     """How many times a planner worker took this job: a fencing token for planning (a worker whose
     claim was superseded records nothing) and the cap on re-driving a planning that keeps dying."""
     answer: str | None = Field(default=None, sa_column=Column(sa.Text))
@@ -168,6 +170,8 @@ class Step(SQLModel, table=True):
     error_type: str | None = Field(default=None, max_length=64)
     error: str | None = Field(default=None, sa_column=Column(sa.Text))
     celery_task_id: str | None = Field(default=None, max_length=64)
+    resends: int = 0
+    """How often the reconciler re-sent this step's message (it backs off exponentially)."""
     child_job_id: str | None = Field(default=None, max_length=32)
     lease_owner: str | None = Field(default=None, max_length=128)
     lease_expires_at: datetime | None = _ts()
