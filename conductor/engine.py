@@ -221,6 +221,7 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
                 time.sleep(delay)
                 continue
             return _fail_step(job_id, claimed.step_id, exc, attempts=attempt.n, owner=owner)
+        columns = _completion_columns(completion, claimed.config)
         with session_scope() as s:
             assert attempt.id is not None
             store.finish_attempt(s, attempt_id=attempt.id, latency_ms=completion.latency_ms)
@@ -230,10 +231,19 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
                 from_=[StepStatus.RUNNING],
                 to=StepStatus.SUCCEEDED,
                 lease_owner=owner,
-                **_completion_columns(completion, claimed.config),
+                **columns,
             )
+            if not recorded:  # cancelled or taken over meanwhile: the answer is dropped, its cost is not
+                store.add_unrecorded_usage(
+                    s,
+                    step_id=claimed.step_id,
+                    job_id=job_id,
+                    input_tokens=completion.input_tokens,
+                    output_tokens=completion.output_tokens,
+                    cost_usd=columns["cost_usd"],
+                )
         if not recorded:
-            return Dispatch()  # cancelled or taken over meanwhile: the attempt stays recorded, not the answer
+            return Dispatch()
         return advance(job_id)
 
 
@@ -513,6 +523,9 @@ def cancel_job(job_id: str) -> bool:
     the parent ends (failed) instead of waiting forever. Returns False when the job had already ended.
     """
     with session_scope() as s:
+        before = store.get_job(s, job_id=job_id)
+        if before is None:
+            return False
         won = store.transition_job(
             s,
             job_id=job_id,
@@ -522,6 +535,7 @@ def cancel_job(job_id: str) -> bool:
             finished_at=utcnow(),
             error_type="cancelled",
             error_message="the job was cancelled",
+            **_totals(before, store.get_steps(s, job_id=job_id)),
         )
         if won:
             store.close_open_steps(s, job_id=job_id, to=StepStatus.CANCELLED, include_running=True)

@@ -204,6 +204,25 @@ def finish_step(
     return _rowcount(session.execute(stmt)) == 1
 
 
+def add_unrecorded_usage(
+    session: Session, *, step_id: int, job_id: str, input_tokens: int, output_tokens: int, cost_usd: float
+) -> None:
+    """A call whose answer was dropped (the job was cancelled or failed meanwhile, or another worker took
+    the step over) was still paid for: its usage is added to the step, and to the job's totals when the
+    job has already ended (a running job's totals are summed from its steps when it ends)."""
+    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "cost_usd": cost_usd}
+    session.execute(
+        sa.update(Step)
+        .where(col(Step.id) == step_id)
+        .values({getattr(Step, k): getattr(Step, k) + v for k, v in usage.items()})
+    )
+    session.execute(
+        sa.update(Job)
+        .where(col(Job.id) == job_id, col(Job.status).in_(list(JobStatus.TERMINAL)))
+        .values({getattr(Job, k): getattr(Job, k) + v for k, v in usage.items()})  # the call is an attempt: counted
+    )
+
+
 def renew_lease(session: Session, *, step_id: int, lease_owner: str, seconds: float) -> bool:
     stmt = (
         sa.update(Step)

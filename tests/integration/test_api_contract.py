@@ -116,6 +116,9 @@ def test_cancel_mid_run(client: httpx.Client) -> None:
     assert steps[0]["output"] is None and steps[1]["attempts"] == []
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["status"] == "cancelled" and job["answer"] is None
+    # The dropped call was still paid for: its usage is on the step and in the job's totals.
+    assert steps[0]["usage"]["input_tokens"] > 0 and steps[0]["usage"]["output_tokens"] > 0
+    assert job["usage"]["input_tokens"] == steps[0]["usage"]["input_tokens"] and job["usage"]["calls"] == 1
     assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 409
 
 
