@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 from conductor.planning.prompt import workflow_json_schema
 from conductor.pool.config import PoolConfig
 from conductor.pool.grammar import GRAMMAR_MAX_STRING_CHARS, grammar_schema
@@ -21,4 +23,22 @@ def test_the_workflow_schema_is_capped_for_llama_cpp_and_left_intact() -> None:
     capped = grammar_schema(schema)
     assert _lengths(capped) and max(_lengths(capped)) == GRAMMAR_MAX_STRING_CHARS
     assert max(_lengths(schema)) > GRAMMAR_MAX_STRING_CHARS  # the input is not modified
-    assert capped["properties"].keys() == schema["properties"].keys()
+    variants = capped["anyOf"]
+    assert len(variants) == 5
+    for n, variant in enumerate(variants, start=1):
+        assert variant["properties"].keys() == schema["properties"].keys()
+        for name in ("model_ids", "subtasks", "access_lists"):
+            assert variant["properties"][name]["minItems"] == variant["properties"][name]["maxItems"] == n
+
+
+def test_a_real_llama_cpp_grammar_compiles_from_the_tied_schema() -> None:
+    from llama_cpp import LlamaGrammar
+
+    pool = PoolConfig.model_validate({"agents": {"a": {"provider": "sim"}, "b": {"provider": "sim"}}})
+    grammar = LlamaGrammar.from_json_schema(json.dumps(grammar_schema(workflow_json_schema(pool, 5, True))))
+    assert grammar is not None
+
+
+def test_other_schemas_are_only_capped() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "string", "maxLength": 5000}}}
+    assert grammar_schema(schema) == {"type": "object", "properties": {"x": {"type": "string", "maxLength": 500}}}
