@@ -174,7 +174,7 @@ class InternalError(FatalError):
 
 def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings) -> Dispatch:
     """Claims the step, renders its messages, calls its agent with retries, records the one outcome."""
-    owner = f"{worker}#{uuid.uuid4().hex[:12]}"
+    owner = f"{worker[:100]}#{uuid.uuid4().hex[:12]}"  # unique per claim; fits the 128-char columns
     claimed = _claim(job_id, index, owner=owner, task_id=task_id, settings=settings)
     if isinstance(claimed, Dispatch):
         return claimed

@@ -73,3 +73,13 @@ def test_planning_that_never_finishes_is_capped() -> None:
         job = store.get_job(s, job_id=job_id)
         assert job is not None and job.status == JobStatus.FAILED and job.error_type == "WorkerLost"
         assert store.get_steps(s, job_id=job_id) == []
+
+
+def test_a_long_worker_name_still_fits_the_claim_columns() -> None:
+    settings = get_settings()
+    job_id = new_job(workflow={"model_ids": ["b"], "subtasks": ["s"], "access_lists": [[]]})
+    plan_job(job_id, settings=settings)
+    run_step(job_id, 0, worker="celery@" + "h" * 300, task_id=None, settings=settings)
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        assert step is not None and step.status == StepStatus.SUCCEEDED and len(step.lease_owner or "") <= 128
