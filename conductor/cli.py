@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="threads (default) suits the I/O-bound planner and step calls")
     c.add_argument("--loglevel", default="info")
     c.add_argument("--hostname", default=None)
+    c.add_argument("--no-supervise", dest="supervise", action="store_false",
+                   help="run Celery in this process (default: a child process, restarted if it dies)")
     c.set_defaults(handler=_worker)
 
     c = sub.add_parser("beat", help="run the reconciler schedule (Celery beat)")
@@ -133,12 +135,22 @@ def _worker(args: argparse.Namespace) -> int:
     unknown = set(queues) - {"planner", "steps"}
     if unknown:
         raise CliError(f"unknown queue(s) {', '.join(sorted(unknown))}; use planner and/or steps")
+    if args.supervise:
+        from conductor.tasks.supervise import supervise
+
+        child = [sys.executable, "-m", "conductor.cli", "worker", "--no-supervise", "--queues", ",".join(queues),
+                 "--concurrency", str(args.concurrency), "--pool", args.pool, "--loglevel", args.loglevel]
+        if args.hostname:
+            child += ["--hostname", args.hostname]
+        return supervise(child)
     argv = ["worker", "-Q", ",".join(queues), "-P", args.pool, "-c", str(args.concurrency),
             "--loglevel", args.loglevel]
     if args.hostname:
         argv += ["-n", args.hostname]
-    app.worker_main(argv)
-    return 0
+    # app.start returns the worker's exit code (worker_main drops it): a crash must not look clean.
+    code = int(app.start(argv) or 0)
+    print(f"conductor worker: Celery worker stopped with code {code}", file=sys.stderr, flush=True)
+    return code
 
 
 def _beat(args: argparse.Namespace) -> int:

@@ -216,3 +216,21 @@ def _ensure_redis() -> None:
         redis.Redis.from_url(FAULT_BROKER, socket_connect_timeout=1).ping()
     except redis.RedisError:
         subprocess.run(REDIS_START, check=False, capture_output=True)
+
+
+@needs_local_services
+def test_submit_while_redis_is_down(fault_env: dict[str, str], fault_api: httpx.Client, beat: Proc) -> None:
+    worker = start_worker(fault_env, "redis-down", queues="planner,steps", concurrency=4)
+    try:
+        subprocess.run(["redis-cli", "-p", "6379", "shutdown", "nosave"], check=False, capture_output=True)
+        try:
+            r = fault_api.post("/v1/jobs", json={"task": "while redis is down", "workflow": chain_of("a", 2)})
+            assert r.status_code == 202, r.text
+            assert r.json()["enqueued"] is False and r.json()["status"] == "queued"
+        finally:
+            subprocess.run(REDIS_START, check=True, capture_output=True)
+        jobs = wait_all_terminal(fault_api, [r.json()["id"]], timeout=180)
+    finally:
+        _ensure_redis()
+        worker.stop()
+    assert next(iter(jobs.values()))["status"] == "succeeded"

@@ -1,0 +1,58 @@
+"""``conductor worker`` keeps its Celery worker alive.
+
+A Celery worker can exit on its own after a broker outage: kombu's Redis transport raises
+AttributeError ('NoneType' object has no attribute 'hostname') when a late ack meets a torn-down
+connection, and the worker stops as "Unrecoverable error" (kombu #582) — with exit code 0, because
+the shutdown itself fails the same way before the failure code is set. The work is safe (Postgres
+holds the state and the reconciler re-drives it), but a dead worker runs nothing. So the worker runs
+as a child process and is restarted, with backoff, whenever it exits without having been asked to:
+only a stop (SIGTERM/SIGINT to the supervisor, forwarded to the child) ends both.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+MAX_BACKOFF_S = 30.0
+HEALTHY_AFTER_S = 60.0
+"""A child that ran this long before exiting counts as healthy: the backoff starts over."""
+
+
+def supervise(argv: Sequence[str], *, sleep: float = 1.0, max_restarts: int | None = None) -> int:
+    """Runs ``argv``, restarting it whenever it exits, until the supervisor is asked to stop (or, with
+    ``max_restarts``, gives up); returns the last exit code."""
+    stopping = False
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    failures = 0
+    try:
+        while True:
+            started = time.monotonic()
+            child = subprocess.Popen(list(argv))
+            code = child.wait()
+            if stopping:
+                return code
+            failures = 1 if time.monotonic() - started > HEALTHY_AFTER_S else failures + 1
+            if max_restarts is not None and failures > max_restarts:
+                return code
+            delay = min(MAX_BACKOFF_S, sleep * 2 ** (failures - 1))
+            print(f"conductor worker: the Celery worker exited with code {code}; restarting in {delay:.0f}s "
+                  f"(restart {failures})", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            if stopping:
+                return code
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
