@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--loglevel", default="info")
     c.set_defaults(handler=_beat)
 
-    c = sub.add_parser("flower", help="run Flower, the Celery monitoring UI")
+    c = sub.add_parser("flower", help="run Flower, the Celery monitoring UI (set FLOWER_BASIC_AUTH=user:pass)")
+    c.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default: Flower can revoke tasks)")
     c.add_argument("--port", type=int, default=5555)
     c.set_defaults(handler=_flower)
 
@@ -165,7 +166,7 @@ def _beat(args: argparse.Namespace) -> int:
 def _flower(args: argparse.Namespace) -> int:
     from conductor.tasks.app import app
 
-    app.start(["flower", f"--port={args.port}"])
+    app.start(["flower", f"--address={args.host}", f"--port={args.port}"])
     return 0
 
 
