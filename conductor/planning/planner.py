@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from conductor.planning.base import PlannerUsage, PlanResult
 from conductor.planning.templates import template_workflow
@@ -51,11 +50,15 @@ def make_plan(job: Job, *, settings: Settings) -> PlanResult:
 def _plan_with_agent(
     job: Job, pool: PoolConfig, agent: str, settings: Settings, *, max_steps: int, allow_conductor: bool
 ) -> PlanResult:
+    """The planner model's workflow. If the planner cannot be reached (after the retry policy) the job
+    still runs, on the pool's fallback template, and the job records why (``source: fallback``)."""
     from conductor.planning.conductor_planner import plan_with_model
 
     config = pool.agents[agent]
-    provider = provider_for(agent, config)
-    fallback: Callable[[], Workflow] = lambda: template_workflow(pool.fallback, pool.worker_names, max_steps)  # noqa: E731
+
+    def fallback() -> Workflow:
+        return template_workflow(pool.fallback, pool.worker_names, max_steps)
+
     context = [Message(m["role"], m["content"]) for m in (job.context or [])]
     policy = RetryPolicy.from_settings(settings)
     attempt = 1
@@ -64,7 +67,7 @@ def _plan_with_agent(
             return plan_with_model(
                 job.task,
                 pool,
-                provider,
+                provider_for(agent, config),
                 agent,
                 max_steps=max_steps,
                 max_instruction_chars=settings.max_instruction_chars,
@@ -76,7 +79,14 @@ def _plan_with_agent(
             )
         except ProviderError as exc:
             if not policy.should_retry(attempt, exc):
-                raise
+                return PlanResult(
+                    workflow=fallback(),
+                    source="fallback",
+                    format_valid=False,
+                    planner=agent,
+                    error=f"the planner could not be used ({type(exc).__name__}: {exc}); ran {pool.fallback}",
+                    attempts=attempt,
+                )
             time.sleep(policy.delay(attempt, exc))
             attempt += 1
 

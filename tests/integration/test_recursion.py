@@ -148,3 +148,14 @@ def test_cancelling_a_child_job_fails_its_parent_instead_of_stranding_it(client:
     assert f"child job {child_id} failed: it was cancelled" in job["error"]["message"]
     steps = client.get(f"/v1/jobs/{job_id}/steps").json()["data"]
     assert [s["status"] for s in steps] == ["failed", "skipped"]
+
+
+def test_an_unreachable_planner_falls_back_and_says_why(client: httpx.Client, pools_dir: Path) -> None:
+    write_pool(pools_dir, "dead-planner", "http://127.0.0.1:1/v1")
+    created = client.post("/v1/jobs", json={"task": "anything", "pool": "dead-planner"})
+    job = wait_terminal(client, created.json()["id"])
+    assert job["status"] == "succeeded", job
+    wf = job["workflow"]
+    assert wf["source"] == "fallback" and wf["format_valid"] is False
+    assert "could not be used" in wf["planner_error"] and "template:single" in wf["planner_error"]
+    assert wf["planner_attempts"] == 4  # the retry policy ran its course first
