@@ -539,12 +539,11 @@ def cancel_job(job_id: str) -> bool:
         )
         if won:
             store.close_open_steps(s, job_id=job_id, to=StepStatus.CANCELLED, include_running=True)
-        job = store.get_job(s, job_id=job_id)
         children = [c.id for c in store.get_children(s, job_id=job_id)]
-        parent_id = job.parent_job_id if (won and job is not None) else None
-        if parent_id is not None and job is not None:
-            totals = _totals(job, store.get_steps(s, job_id=job_id))
-            _settle_parent_step(s, job, succeeded=False, answer=None, totals=totals, error="it was cancelled")
+        parent_id = before.parent_job_id if won else None
+        if parent_id is not None:
+            totals = _totals(before, store.get_steps(s, job_id=job_id))
+            _settle_parent_step(s, before, succeeded=False, answer=None, totals=totals, error="it was cancelled")
     for child in children:
         cancel_job(child)
     if parent_id is not None:

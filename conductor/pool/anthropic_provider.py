@@ -6,7 +6,6 @@ The SDK (2.x) speaks API version 2026-10-21, which rejects sampling parameters (
 
 from __future__ import annotations
 
-import json
 import time
 from functools import cached_property
 from typing import Any, cast
@@ -20,14 +19,8 @@ from conductor.pool.api_keys import read_api_key
 from conductor.pool.base import CallOptions, Completion, Message, Provider
 from conductor.pool.chat_turns import to_conversation
 from conductor.pool.config import AgentConfig
-from conductor.pool.errors import BadRequest, ConfigError, ProviderError
-from conductor.pool.http_errors import (
-    connection_failed,
-    error_for_status,
-    malformed_response,
-    scrub,
-    timed_out,
-)
+from conductor.pool.errors import ConfigError, ProviderError
+from conductor.pool.http_errors import malformed_response, map_sdk_error
 
 DEFAULT_ANTHROPIC_KEY_ENV = "ANTHROPIC_API_KEY"
 _CLIENT_PLACEHOLDER_KEY = "unset"
@@ -117,20 +110,7 @@ class AnthropicProvider(Provider):
         )
 
     def _error(self, exc: Exception, options: CallOptions, api_key: str) -> ProviderError:
-        if isinstance(exc, anthropic.APITimeoutError):  # before APIConnectionError: it is a subclass
-            return timed_out(self.where, options.timeout_s)
-        if isinstance(exc, anthropic.APIConnectionError):
-            return connection_failed(self.where, str(exc.__cause__ or exc), secret=api_key)
-        if isinstance(exc, anthropic.APIStatusError):
-            return error_for_status(
-                exc.status_code,
-                exc.api_message or exc.message,
-                where=self.where,
-                headers=exc.response.headers,
-                secret=api_key,
-            )
-        if isinstance(exc, anthropic.APIResponseValidationError | json.JSONDecodeError):
-            return malformed_response(self.where, f"{type(exc).__name__}: {exc}", secret=api_key)
-        if isinstance(exc, ValueError):
-            return BadRequest(f"{self.where}: the SDK refused the request: {scrub(str(exc), api_key)}")
-        return ProviderError(f"{self.where}: {type(exc).__name__}: {scrub(str(exc), api_key)}")
+        return map_sdk_error(
+            exc, anthropic, where=self.where, timeout_s=options.timeout_s, secret=api_key,
+            detail=lambda e: e.api_message or e.message,
+        )

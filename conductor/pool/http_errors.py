@@ -7,8 +7,11 @@ pieces here, so which status is retryable is decided in one place.
 from __future__ import annotations
 
 import email.utils
+import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
 
 from conductor.pool.errors import (
     AuthError,
@@ -99,3 +102,31 @@ def connection_failed(where: str, detail: str, *, secret: str | None = None) -> 
 def malformed_response(where: str, detail: str, *, secret: str | None = None) -> ServerError:
     """A 2xx whose body is not the shape the provider promises: retryable, the next reply may be fine."""
     return ServerError(f"{where}: malformed response body: {scrub(detail, secret)}")
+
+
+def map_sdk_error(
+    exc: Exception,
+    sdk: ModuleType,
+    *,
+    where: str,
+    timeout_s: float,
+    secret: str | None,
+    detail: Callable[[Any], str],
+) -> ProviderError:
+    """One mapping for the SDKs generated alike (``openai``, ``anthropic``): each exposes APITimeoutError,
+    APIConnectionError, APIStatusError and APIResponseValidationError. ``detail`` extracts the server's
+    own message from an APIStatusError (the body layouts differ)."""
+    if isinstance(exc, sdk.APITimeoutError):  # before APIConnectionError: it is a subclass
+        return timed_out(where, timeout_s)
+    if isinstance(exc, sdk.APIConnectionError):
+        return connection_failed(where, str(exc.__cause__ or exc), secret=secret)
+    if isinstance(exc, sdk.APIStatusError):
+        return error_for_status(
+            exc.status_code, detail(exc), where=where, headers=exc.response.headers, secret=secret
+        )
+    if isinstance(exc, sdk.APIResponseValidationError | json.JSONDecodeError):
+        # JSONDecodeError: a 2xx that says JSON but is not (the SDK's json.loads raised).
+        return malformed_response(where, f"{type(exc).__name__}: {exc}", secret=secret)
+    if isinstance(exc, ValueError):
+        return BadRequest(f"{where}: the SDK refused the request: {scrub(str(exc), secret)}")
+    return ProviderError(f"{where}: {type(exc).__name__}: {scrub(str(exc), secret)}")

@@ -5,7 +5,6 @@ A compatible server (vLLM, llama.cpp server, ...) is configuration, a ``base_url
 
 from __future__ import annotations
 
-import json
 import time
 from functools import cached_property
 from typing import Any, Literal, cast
@@ -18,15 +17,9 @@ from conductor.pool.api_keys import read_api_key
 from conductor.pool.base import CallOptions, Completion, Message, Provider
 from conductor.pool.chat_turns import fold_system
 from conductor.pool.config import AgentConfig
-from conductor.pool.errors import BadRequest, ConfigError, ProviderError
+from conductor.pool.errors import ConfigError, ProviderError
 from conductor.pool.grammar import grammar_schema
-from conductor.pool.http_errors import (
-    connection_failed,
-    error_for_status,
-    malformed_response,
-    scrub,
-    timed_out,
-)
+from conductor.pool.http_errors import malformed_response, map_sdk_error
 
 DEFAULT_OPENAI_KEY_ENV = "OPENAI_API_KEY"
 NO_KEY_PLACEHOLDER = "not-needed"
@@ -141,24 +134,10 @@ class OpenAIProvider(Provider):
         )
 
     def _error(self, exc: Exception, options: CallOptions, api_key: str) -> ProviderError:
-        if isinstance(exc, openai.APITimeoutError):  # before APIConnectionError: it is a subclass
-            return timed_out(self.where, options.timeout_s)
-        if isinstance(exc, openai.APIConnectionError):
-            return connection_failed(self.where, str(exc.__cause__ or exc), secret=api_key)
-        if isinstance(exc, openai.APIStatusError):
-            return error_for_status(
-                exc.status_code,
-                _error_detail(exc.body, exc.message),
-                where=self.where,
-                headers=exc.response.headers,
-                secret=api_key,
-            )
-        if isinstance(exc, openai.APIResponseValidationError | json.JSONDecodeError):
-            # JSONDecodeError: a 2xx that says JSON but is not (the SDK's json.loads raised).
-            return malformed_response(self.where, f"{type(exc).__name__}: {exc}", secret=api_key)
-        if isinstance(exc, ValueError):
-            return BadRequest(f"{self.where}: the SDK refused the request: {scrub(str(exc), api_key)}")
-        return ProviderError(f"{self.where}: {type(exc).__name__}: {scrub(str(exc), api_key)}")
+        return map_sdk_error(
+            exc, openai, where=self.where, timeout_s=options.timeout_s, secret=api_key,
+            detail=lambda e: _error_detail(e.body, e.message),
+        )
 
 
 def _error_detail(body: object, fallback: str) -> str:
