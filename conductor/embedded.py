@@ -149,9 +149,11 @@ def _wake_to_stop(app: Any) -> None:
     """
     from celery.worker import state
 
+    from conductor.tasks.app import FINALIZE_TASK
+
     state.should_terminate = 0
     for _ in range(2):
-        app.send_task("conductor.finalize", ("",))
+        app.send_task(FINALIZE_TASK, ("",))
 
 
 # --- pool choice and the local model ----------------------------------------------------------------
@@ -175,20 +177,20 @@ def preflight(pool: Any, err: TextIO) -> None:
     from conductor.pool.local_provider import LocalProvider
     from conductor.pool.registry import provider_for
 
-    loaded_keys: set[tuple[str, int]] = set()
+    loaded_keys: set[tuple[str, str, int]] = set()
     for name, agent in pool.agents.items():
         try:
             provider = provider_for(name, agent)
             if not isinstance(provider, LocalProvider):
                 continue
-            key = (provider.options.model_path or "", provider.options.n_ctx)
+            key = (provider.options.model_path or "", agent.model, provider.options.n_ctx)
             if key in loaded_keys:
                 provider.load()  # shared and already loaded; checks this agent's chat format
                 continue
             loaded_keys.add(key)
             started = time.monotonic()
             print(f"loading local model {agent.model} (llama.cpp, CPU) ...", file=err, flush=True)
-            loaded = provider.load()
+            loaded = provider.load(progress=err)
         except ProviderError as exc:
             raise EmbeddedError(str(exc)) from exc
         size = loaded.path.stat().st_size / 1e6
@@ -360,6 +362,47 @@ def run(
     out = out or sys.stdout
     err = err or sys.stderr
     started = time.monotonic()
+    with embedded_session(pool, data_dir=data_dir, err=err) as session:
+        job_id = session.submit(_job_body(task, planner=planner))
+        print(f"job {job_id} submitted (pool {session.pool.name}); worker log: {session.log_path}",
+              file=err, flush=True)
+        job = _watch(job_id, err, started, session.settings)
+        return _report(job, session.directory, out, err, started)
+
+
+@dataclass
+class EmbeddedSession:
+    """The store, pool and in-process worker of one embedded command; jobs go in through ``submit``."""
+
+    settings: Settings
+    pool: Any  # PoolConfig
+    directory: Path
+    log_path: Path
+    next_reconcile: float = 0.0
+
+    def submit(self, body: Any) -> str:
+        """Creates the job from a ``JobCreate`` (the pool: this session's) and sends its plan message."""
+        return _submit(body, settings=self.settings)
+
+    def reconcile_if_due(self) -> None:
+        """Beat's one duty, on its schedule: re-drive anything stalled (a lost message, a dead thread)."""
+        from conductor.reconcile import reconcile_once
+        from conductor.tasks.send import send
+
+        now = time.monotonic()
+        if now < self.next_reconcile:
+            return
+        self.next_reconcile = now + self.settings.reconcile_interval_s
+        report, dispatch = reconcile_once(self.settings)
+        if dispatch:
+            log.info("reconciler re-drove stalled work: %s", report)
+            send(dispatch)
+
+
+@contextmanager
+def embedded_session(pool: str | None, *, data_dir: Path | None, err: TextIO) -> Iterator[EmbeddedSession]:
+    """Points this process at the SQLite store in ``data_dir`` and the in-memory broker, checks the pool
+    (loading local models once), and runs a Celery worker on threads of this process meanwhile."""
     directory = prepare_data_dir(data_dir or get_settings().data_dir)
     settings = use_store(directory, embedded_broker=True)
     if pool is None:
@@ -367,11 +410,7 @@ def run(
         print(f"pool: {pool} ({why}; choose one with --pool)", file=err)
     settings, pool_config = _resolve_pool(pool, settings)
     if pool_config.name == "local" or all(a.provider == "local" for a in pool_config.agents.values()):
-        print(
-            "note: the local pool runs Gemma 3 270M on this CPU, a tiny demonstration model: expect weak "
-            "answers. For real work use --pool research (with provider keys) or your own pool file.",
-            file=err,
-        )
+        print(f"note: {_local_models_note(pool_config)}", file=err)
     if any(a.provider == "sim" for a in pool_config.agents.values()):
         print("note: this pool is SIMULATED: its agents echo their instructions; nothing is solved.", file=err)
     print(f"store: {settings.database_url.removeprefix('sqlite:///')}", file=err)
@@ -380,10 +419,20 @@ def run(
     preflight(pool_config, err)
     app = configure_celery(settings)
     with embedded_worker(app, log_path):
-        job_id = _submit(task, planner=planner, settings=settings)
-        print(f"job {job_id} submitted (pool {pool_config.name}); worker log: {log_path}", file=err, flush=True)
-        job = _watch(job_id, err, started, settings)
-        return _report(job, directory, out, err, started)
+        session = EmbeddedSession(settings, pool_config, directory, log_path)
+        session.next_reconcile = time.monotonic() + settings.reconcile_interval_s
+        yield session
+
+
+def _local_models_note(pool: Any) -> str:
+    from conductor.pool.local_models import packaged_model
+
+    names = dict.fromkeys(
+        (m.description if (m := packaged_model(a.model)) else a.model) for a in pool.agents.values()
+        if a.provider == "local"
+    )
+    return (f"this pool runs {', '.join(names)} on this CPU: a small model, fine for short tasks, weak on hard "
+            "ones. For real work use --pool research (with provider keys) or your own pool file.")
 
 
 def _resolve_pool(pool: str, settings: Settings) -> tuple[Settings, Any]:
@@ -415,19 +464,24 @@ def _migrate(settings: Settings) -> None:
         raise EmbeddedError(f"cannot prepare the store {settings.database_url}: {exc.__class__.__name__}") from exc
 
 
-def _submit(task: str, *, planner: str | None, settings: Settings) -> str:
+def _job_body(task: str, *, planner: str | None) -> Any:
     from pydantic import ValidationError
 
-    from conductor.engine import Dispatch
-    from conductor.store.db import session_scope
-    from conductor.submission import JobCreate, SubmissionError, create_job
-    from conductor.tasks.send import send
+    from conductor.submission import JobCreate
 
     try:
-        body = JobCreate(task=task, planner=planner)  # the pool: settings.pool_file, set above
+        return JobCreate(task=task, planner=planner)  # the pool: settings.pool_file, set by the session
     except ValidationError as exc:
         first = exc.errors()[0]
         raise EmbeddedError(f"invalid {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
+
+
+def _submit(body: Any, *, settings: Settings) -> str:
+    from conductor.engine import Dispatch
+    from conductor.store.db import session_scope
+    from conductor.submission import SubmissionError, create_job
+    from conductor.tasks.send import send
+
     try:
         with session_scope() as s:
             job, _ = create_job(s, body, tenant="local", settings=settings, allow_pool_path=True)

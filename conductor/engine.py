@@ -13,36 +13,50 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlmodel import Session
 
+from conductor import telemetry
 from conductor.budget import (
-    BudgetExceeded,
-    DeadlineExceeded,
     Spent,
     allowed_output_tokens,
     check_deadline,
     child_limits,
+    child_reservation,
     deadline_of,
     estimate_tokens,
+    step_reservation,
 )
 from conductor.context import turns_as_messages, worker_messages
+from conductor.errors import (
+    BudgetExceeded,
+    ConductorError,
+    DeadlineExceeded,
+    ErrorType,
+    InternalError,
+    StepAbandoned,
+)
+from conductor.lease import heartbeat
 from conductor.planning.base import PlanResult
 from conductor.planning.planner import make_plan
 from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.config import AgentConfig, PoolConfig
-from conductor.pool.errors import FatalError, ProviderError
+from conductor.pool.errors import ProviderError
 from conductor.pool.registry import provider_for
 from conductor.ratelimit import get_limiter
+from conductor.replay import replay_plan, step_rows
 from conductor.retry import RetryPolicy
 from conductor.settings import Settings
 from conductor.store import jobs as store
-from conductor.store.db import session_scope
-from conductor.store.jobs import WORKER_LOST
-from conductor.store.models import Job, JobStatus, Step, StepStatus, utcnow
+from conductor.store import webhooks as webhook_store
+from conductor.store.db import session_scope, transaction
+from conductor.store.jobs import RELEASED, WORKER_LOST
+from conductor.store.models import Job, JobStatus, StepStatus, utcnow
 from conductor.workflow import CONDUCTOR_AGENT, WorkflowError, ready_steps
 
 log = logging.getLogger(__name__)
@@ -55,15 +69,21 @@ class Dispatch:
     plan: list[str] = field(default_factory=list)
     steps: list[tuple[str, int]] = field(default_factory=list)
     finalize: list[str] = field(default_factory=list)
+    agents: dict[tuple[str, int], str] = field(default_factory=dict)
+    """The agent of each step in ``steps`` where known: only for display (Flower, logs)."""
+    webhooks: list[str] = field(default_factory=list)
+    """Webhook deliveries (outbox rows written with the job's end) to send on the ``webhooks`` queue."""
 
     def __iadd__(self, other: Dispatch) -> Dispatch:
         self.plan += other.plan
         self.steps += other.steps
         self.finalize += other.finalize
+        self.agents.update(other.agents)
+        self.webhooks += other.webhooks
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.plan or self.steps or self.finalize)
+        return bool(self.plan or self.steps or self.finalize or self.webhooks)
 
 
 # --- planning -------------------------------------------------------------------------------------
@@ -86,44 +106,49 @@ def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
                         message=f"planning was started {claim - 1} times and its worker never finished it")
     try:
         check_deadline(job.limits, job.created_at, utcnow())
-        result = make_plan(job, settings=settings)
+        with heartbeat(settings.step_lease_s).planning(job_id, claim):  # a slow planner is alive, not lost
+            result = replay_plan(make_plan(job, settings=settings), job)
     except DeadlineExceeded as exc:
-        return fail_job(job_id, error_type="DeadlineExceeded", message=str(exc), plan_claim=claim)
+        return fail_job(job_id, error_type=ErrorType.DEADLINE_EXCEEDED, message=str(exc), plan_claim=claim)
     except (ProviderError, WorkflowError) as exc:
-        kind = "planner_error" if isinstance(exc, ProviderError) else "invalid_workflow"
+        kind = ErrorType.PLANNER_ERROR if isinstance(exc, ProviderError) else ErrorType.INVALID_WORKFLOW
         return fail_job(job_id, error_type=kind, message=f"planning failed: {exc}", plan_claim=claim)
     except Exception as exc:  # a bug must end the job visibly, not leave it 'planning' forever
         log.exception("planning job %s crashed", job_id)
-        return fail_job(job_id, error_type="internal_error", plan_claim=claim,
+        return fail_job(job_id, error_type=ErrorType.INTERNAL_ERROR, plan_claim=claim,
                         message=f"planning crashed ({type(exc).__name__}); see the planner worker's log")
+    root_id = job.root_job_id or job.id
     with session_scope() as s:
-        if not store.transition_job(
-            s,
-            job_id=job_id,
-            from_=[JobStatus.PLANNING],
-            to=JobStatus.RUNNING,
-            plan_claim=claim,
-            **_plan_columns(result),
-        ):
-            return Dispatch()  # cancelled while the planner ran, or this claim was superseded
+        store.lock_job(s, job_id=root_id)  # a tree's step count is checked and grown one plan at a time
         wf = result.workflow
-        store.insert_steps(
-            s,
-            steps=[
-                Step(
-                    job_id=job_id,
-                    index=i,
-                    agent=step.agent,
-                    instruction=step.instruction,
-                    access_list=wf.resolved_access(i),
-                    access_all=step.access_list == "all",
-                )
-                for i, step in enumerate(wf.steps)
-            ],
-        )
-        roots = ready_steps(wf.dependencies, done=(), started=())
-        won = store.mark_steps_queued(s, job_id=job_id, indices=roots)
-    return Dispatch(steps=[(job_id, i) for i in won])
+        in_tree = store.count_tree_steps(s, root_job_id=root_id)
+        if in_tree + len(wf.steps) > settings.max_tree_steps:
+            over = (f"this job tree already has {in_tree} steps; {len(wf.steps)} more would pass the limit of "
+                    f"{settings.max_tree_steps} (CONDUCTOR_MAX_TREE_STEPS)")
+            usage = {k: v for k, v in _plan_columns(result).items() if k.startswith("planner_")}
+            store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.PLANNING,
+                                 plan_claim=claim, **usage)  # the planner was paid for: its usage stays
+        else:
+            over = None
+            if not store.transition_job(
+                s,
+                job_id=job_id,
+                from_=[JobStatus.PLANNING],
+                to=JobStatus.RUNNING,
+                plan_claim=claim,
+                **_plan_columns(result),
+            ):
+                return Dispatch()  # cancelled while the planner ran, or this claim was superseded
+            rows = step_rows(s, job, wf)  # a replay's reusable steps arrive already succeeded
+            store.insert_steps(s, steps=rows)
+            done = [row.index for row in rows if row.status == StepStatus.SUCCEEDED]
+            if len(done) == len(rows):
+                return Dispatch(finalize=[job_id])
+            roots = ready_steps(wf.dependencies, done=done, started=done)
+            won = store.mark_steps_queued(s, job_id=job_id, indices=roots)
+    if over is not None:
+        return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over, plan_claim=claim)
+    return Dispatch(steps=[(job_id, i) for i in won], agents={(job_id, i): wf.steps[i].agent for i in won})
 
 
 def _plan_columns(result: PlanResult) -> dict[str, Any]:
@@ -142,17 +167,24 @@ def _plan_columns(result: PlanResult) -> dict[str, Any]:
 
 
 # --- running one step -----------------------------------------------------------------------------
+# Two transactions per step on the happy path: ``_claim`` (read what the step needs, claim it, open its
+# attempt) and ``_record`` (lock the job row, record the outcome, close the attempt, and mark the steps
+# that became ready, or finalize the job when this was its last step). A retry adds one transaction
+# that closes the failed attempt and opens the next.
 
 
 @dataclass
 class _Claimed:
     step_id: int
+    attempt_id: int
+    attempt: int
     agent: str
     messages: list[Message]
     config: AgentConfig
     max_tokens: int
     deadline: datetime | None
     owner: str
+    tenant: str
 
 
 @dataclass
@@ -160,91 +192,96 @@ class _Refused:
     """Claimed, but it must not run (limits exhausted, re-driven too often): it fails without a call."""
 
     step_id: int
-    error: FatalError
+    error: ConductorError
     owner: str
-
-
-class StepAbandoned(FatalError):
-    """The step's worker died mid-call more often than the attempt limit allows."""
-
-
-class InternalError(FatalError):
-    """An unexpected exception around a provider call: a bug, recorded instead of looping."""
+    attempts: int
 
 
 def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings) -> Dispatch:
     """Claims the step, renders its messages, calls its agent with retries, records the one outcome."""
     owner = f"{worker[:100]}#{uuid.uuid4().hex[:12]}"  # unique per claim; fits the 128-char columns
-    claimed = _claim(job_id, index, owner=owner, task_id=task_id, settings=settings)
+    try:
+        claimed = transaction(lambda s: _claim(s, job_id, index, owner=owner, task_id=task_id, settings=settings))
+    except (OperationalError, InterfaceError):
+        raise  # the database is away: nothing was claimed, and the reconciler re-sends the step later
+    except Exception as exc:  # a bug or a bad row: every re-send would fail the same way
+        return _fail_unclaimable(job_id, index, owner, _internal(exc, job_id, index), settings)
     if isinstance(claimed, Dispatch):
         return claimed
     if isinstance(claimed, _Refused):
-        return _fail_step(job_id, claimed.step_id, claimed.error, attempts=0, owner=claimed.owner)
+        return _fail_step(job_id, claimed.step_id, claimed.error, attempts=0, owner=claimed.owner,
+                          attempt_id=None, attempts_column=claimed.attempts)
+    longest = settings.step_max_duration_s(claimed.config.timeout_s)
+    with heartbeat(settings.step_lease_s).holding(claimed.step_id, owner, for_s=longest):
+        return _call_and_record(job_id, index, claimed, settings)
+
+
+def _fail_unclaimable(job_id: str, index: int, owner: str, error: InternalError, settings: Settings) -> Dispatch:
+    """The claim transaction raised (and rolled back): claims the step bare and fails it, instead of
+    leaving it queued for the reconciler to re-send forever."""
+
+    def fail(s: Session) -> bool:
+        claim = store.claim_step_row(s, job_id=job_id, index=index, owner=owner, lease_s=settings.step_lease_s,
+                                     task_id=None, count_attempt=False)
+        if claim is None:
+            return False
+        return store.record_step(s, step_id=claim.step_id, owner=owner, to=StepStatus.FAILED,
+                                 error_type=error.error_type, error=str(error))
+
+    return advance(job_id) if transaction(fail) else Dispatch()
+
+
+def _call_and_record(job_id: str, index: int, claimed: _Claimed, settings: Settings) -> Dispatch:
     policy = RetryPolicy.from_settings(settings)
     timeout = claimed.config.timeout_s or settings.provider_timeout_s
+    owner = claimed.owner
+    attempt_id, n = claimed.attempt_id, claimed.attempt
     while True:
-        with session_scope() as s:
-            step = store.get_step(s, job_id=job_id, index=index)
-            job = store.get_job(s, job_id=job_id)
-            assert step is not None and job is not None
-            if step.status != StepStatus.RUNNING or step.lease_owner != owner or job.status != JobStatus.RUNNING:
-                return Dispatch()  # cancelled, the job failed, or another worker took the step over
-            attempt = store.start_attempt(s, step=step, worker=owner, lease_s=settings.step_lease_s)
         options = CallOptions(
             temperature=claimed.config.temperature,
             max_tokens=claimed.max_tokens,
             timeout_s=timeout,
-            attempt=attempt.n,
+            attempt=n,
         )
         started = time.monotonic()
         try:
             provider = provider_for(claimed.agent, claimed.config)
-            _wait_for_rate_limit(claimed.agent, claimed.config, settings)
+            _wait_for_rate_limit(claimed.agent, claimed.config, settings, tenant=claimed.tenant)
             completion = provider.complete(claimed.messages, options)
         except Exception as raised:
-            exc = raised if isinstance(raised, ProviderError) else _internal(raised, job_id, index)
+            exc: ProviderError | ConductorError = (
+                raised if isinstance(raised, ProviderError) else _internal(raised, job_id, index)
+            )
             elapsed = int((time.monotonic() - started) * 1000)
-            with session_scope() as s:
-                assert attempt.id is not None
-                store.finish_attempt(
-                    s, attempt_id=attempt.id, latency_ms=elapsed, error_type=type(exc).__name__, error=str(exc)
-                )
-            if policy.should_retry(attempt.n, exc):
-                delay = policy.delay(attempt.n, exc)
+            if isinstance(exc, ProviderError) and policy.should_retry(n, exc):
+                delay = policy.delay(n, exc)
                 if claimed.deadline is not None and utcnow() + timedelta(seconds=delay) >= claimed.deadline:
                     late = DeadlineExceeded(f"{exc}; no time left for another attempt before the job's deadline")
-                    return _fail_step(job_id, claimed.step_id, late, attempts=attempt.n, owner=owner)
-                log.info("step %s/%s attempt %s: %s; retrying in %.2fs", job_id, index, attempt.n, exc, delay)
-                with session_scope() as s:
-                    store.renew_lease(s, step_id=claimed.step_id, lease_owner=owner,
-                                      seconds=settings.step_lease_s + delay)
-                time.sleep(delay)
+                    return _fail_step(job_id, claimed.step_id, late, attempts=n, owner=owner,
+                                      attempt_id=attempt_id, latency_ms=elapsed, attempt_error=exc)
+                log.info("step %s/%s attempt %s: %s; retrying in %.2fs", job_id, index, n, exc, delay)
+
+                def close_failed(s: Session, attempt_id: int = attempt_id, exc: ProviderError = exc,
+                                 elapsed: int = elapsed) -> None:
+                    store.finish_attempt(s, attempt_id=attempt_id, latency_ms=elapsed,
+                                         error_type=exc.error_type, error=str(exc))
+
+                transaction(close_failed)
+                time.sleep(delay)  # the heartbeat keeps the lease meanwhile
+
+                def open_next(s: Session, following: int = n + 1) -> int | None:
+                    return store.next_attempt(s, step_id=claimed.step_id, owner=owner, n=following,
+                                              lease_s=settings.step_lease_s)
+
+                opened = transaction(open_next)
+                if opened is None:
+                    return Dispatch()  # cancelled, the job failed, or another worker took the step over
+                attempt_id, n = opened, n + 1
                 continue
-            return _fail_step(job_id, claimed.step_id, exc, attempts=attempt.n, owner=owner)
+            return _fail_step(job_id, claimed.step_id, exc, attempts=n, owner=owner, attempt_id=attempt_id,
+                              latency_ms=elapsed, attempt_error=exc)
         columns = _completion_columns(completion, claimed.config)
-        with session_scope() as s:
-            assert attempt.id is not None
-            store.finish_attempt(s, attempt_id=attempt.id, latency_ms=completion.latency_ms)
-            recorded = store.finish_step(
-                s,
-                step_id=claimed.step_id,
-                from_=[StepStatus.RUNNING],
-                to=StepStatus.SUCCEEDED,
-                lease_owner=owner,
-                **columns,
-            )
-            if not recorded:  # cancelled or taken over meanwhile: the answer is dropped, its cost is not
-                store.add_unrecorded_usage(
-                    s,
-                    step_id=claimed.step_id,
-                    job_id=job_id,
-                    input_tokens=completion.input_tokens,
-                    output_tokens=completion.output_tokens,
-                    cost_usd=columns["cost_usd"],
-                )
-        if not recorded:
-            return Dispatch()
-        return advance(job_id)
+        return _record_success(job_id, index, claimed.step_id, owner, attempt_id, completion, columns)
 
 
 def _internal(exc: Exception, job_id: str, index: int) -> InternalError:
@@ -253,64 +290,96 @@ def _internal(exc: Exception, job_id: str, index: int) -> InternalError:
 
 
 def _claim(
-    job_id: str, index: int, *, owner: str, task_id: str | None, settings: Settings
+    s: Session, job_id: str, index: int, *, owner: str, task_id: str | None, settings: Settings
 ) -> _Claimed | _Refused | Dispatch:
-    with session_scope() as s:
-        job = store.get_job(s, job_id=job_id)
-        if job is None or job.status != JobStatus.RUNNING:
-            return Dispatch()
-        step = store.claim_step(
-            s, job_id=job_id, index=index, worker=owner, lease_s=settings.step_lease_s, task_id=task_id
-        )
-        if step is None or step.id is None:
-            return Dispatch()
-        store.close_lost_attempts(s, step_id=step.id)
-        if step.attempts >= settings.step_max_attempts:
-            return _Refused(step.id, StepAbandoned(
-                f"the worker running this step stopped mid-call; gave up after {step.attempts} attempts"), owner)
-        steps = store.get_steps(s, job_id=job_id)
-        visible = [(steps[d].instruction, steps[d].output or "") for d in step.access_list]
-        inherited = [Message(m["role"], m["content"]) for m in (job.context or [])]
-        messages = worker_messages(
-            task=job.task, visible=visible, instruction=step.instruction, inherited=inherited
-        )
-        spent = Spent(
-            tokens=job.planner_input_tokens + job.planner_output_tokens
-            + sum(st.input_tokens + st.output_tokens for st in steps),
-            cost_usd=job.planner_cost_usd + sum(st.cost_usd for st in steps),
-        )
-        try:
-            check_deadline(job.limits, job.created_at, utcnow())
-            if step.agent == CONDUCTOR_AGENT:
-                remaining_limits = child_limits(job.limits, job.created_at, spent, utcnow())
-                return _start_child(s, job, step, visible=visible, inherited=inherited, messages=messages,
-                                    limits=remaining_limits)
-            pool = PoolConfig.model_validate(job.pool_config)
-            config = pool.agents[step.agent]
-            store.update_step(
-                s,
-                step_id=step.id,
-                messages=[m.as_dict() for m in messages],
-                provider=config.provider,
-                model=config.model or f"sim-{step.agent}",
-            )
+    """The claim transaction: one read of the job and this step, one of the visible outputs, the claim
+    (``UPDATE … RETURNING``, with the step's budget reservation) and the attempt's insert. A job with a
+    budget is read again under its row lock, so its steps reserve one at a time and none spends what
+    another holds."""
+    row = store.read_step_input(s, job_id=job_id, index=index)
+    if row is not None and (row.limits.get("max_cost_usd") is not None or row.limits.get("max_tokens") is not None):
+        store.lock_job(s, job_id=job_id)
+        row = store.read_step_input(s, job_id=job_id, index=index)
+    if row is None or row.job_status != JobStatus.RUNNING:
+        return Dispatch()
+    visible = store.visible_outputs(s, job_id=job_id, indices=row.access_list)
+    inherited = [Message(m["role"], m["content"]) for m in (row.context or [])]
+    messages = worker_messages(task=row.task, visible=visible, instruction=row.instruction, inherited=inherited)
+    spent = Spent(tokens=row.spent_tokens, cost_usd=row.spent_cost_usd)
+    now = utcnow()
+    recursive = row.agent == CONDUCTOR_AGENT
+    refusal: BudgetExceeded | DeadlineExceeded | None = None
+    max_tokens = 0
+    values: dict[str, Any] = {"messages": [m.as_dict() for m in messages]}
+    config: AgentConfig | None = None
+    remaining_limits: dict[str, Any] = {}
+    try:
+        check_deadline(row.limits, row.created_at, now)
+        if recursive:
+            remaining_limits = child_limits(row.limits, row.created_at, spent, now, shares=row.unstarted)
+            held = child_reservation(remaining_limits)
+            values.update(reserved_usd=held.cost_usd, reserved_tokens=held.tokens)
+        else:
+            config = _pool(job_id, row.pool_config).agents[row.agent]
+            values.update(provider=config.provider, model=config.model or f"sim-{row.agent}")
+            prompt_tokens = sum(estimate_tokens(m.content) for m in messages)
             max_tokens = allowed_output_tokens(
-                job.limits,
-                spent,
-                prompt_tokens=sum(estimate_tokens(m.content) for m in messages),
-                max_tokens=config.max_tokens,
-                price=config.price,
+                row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=config.max_tokens, price=config.price
             )
-        except (BudgetExceeded, DeadlineExceeded) as exc:
-            return _Refused(step.id, exc, owner)
-        deadline = deadline_of(job.limits, job.created_at)
-        return _Claimed(step.id, step.agent, messages, config, max_tokens, deadline, owner)
+            held = step_reservation(row.limits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, price=config.price)
+            values.update(reserved_usd=held.cost_usd, reserved_tokens=held.tokens)
+    except (BudgetExceeded, DeadlineExceeded) as exc:
+        refusal = exc
+        values.update(RELEASED)
+    runs = refusal is None and not recursive
+    claim = store.claim_step_row(
+        s, job_id=job_id, index=index, owner=owner, lease_s=settings.step_lease_s, task_id=task_id,
+        count_attempt=runs, **values,
+    )
+    if claim is None:
+        return Dispatch()  # finished, running under a live lease elsewhere, not due, or the job ended
+    if claim.attempts:
+        store.close_lost_attempts(s, step_id=claim.step_id)
+    if claim.attempts >= settings.step_max_attempts and not recursive:
+        return _Refused(claim.step_id, StepAbandoned(
+            f"the worker running this step stopped mid-call; gave up after {claim.attempts} attempts"), owner,
+            claim.attempts)
+    if refusal is not None:
+        return _Refused(claim.step_id, refusal, owner, claim.attempts)
+    if recursive:
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None
+        return _start_child(s, job, claim.step_id, index, row.instruction, visible=visible, inherited=inherited,
+                            messages=messages, limits=remaining_limits)
+    assert config is not None
+    n = claim.attempts + 1
+    attempt_id = store.open_attempt(s, step_id=claim.step_id, n=n, worker=owner)
+    deadline = deadline_of(row.limits, row.created_at)
+    return _Claimed(claim.step_id, attempt_id, n, row.agent, messages, config, max_tokens, deadline, owner,
+                    row.tenant)
+
+
+_POOLS: dict[str, PoolConfig] = {}
+_POOLS_MAX = 256
+
+
+def _pool(job_id: str, snapshot: dict[str, Any]) -> PoolConfig:
+    """A job's pool snapshot never changes: it is validated once per job per process, not once per step."""
+    pool = _POOLS.get(job_id)
+    if pool is None:
+        pool = PoolConfig.model_validate(snapshot)
+        if len(_POOLS) >= _POOLS_MAX:
+            _POOLS.clear()
+        _POOLS[job_id] = pool
+    return pool
 
 
 def _start_child(
     s: Session,
     job: Job,
-    step: Step,
+    step_id: int,
+    index: int,
+    instruction: str,
     *,
     visible: list[tuple[str, str]],
     inherited: list[Message],
@@ -319,16 +388,15 @@ def _start_child(
 ) -> Dispatch:
     """A recursive step: a child job plans and runs with this step's subtask and visible context, within
     what is left of its parent's deadline and budgets."""
-    assert step.id is not None
     child = Job(
         tenant=job.tenant,
-        task=f"{job.task}\n\n---\nSubtask from the parent workflow (step {step.index}):\n{step.instruction}",
+        task=f"{job.task}\n\n---\nSubtask from the parent workflow (step {index}):\n{instruction}",
         pool=job.pool,
         pool_config=job.pool_config,
         planner=job.planner,
         depth=job.depth + 1,
         parent_job_id=job.id,
-        parent_step_index=step.index,
+        parent_step_index=index,
         root_job_id=job.root_job_id or job.id,
         context=[m.as_dict() for m in [*inherited, *turns_as_messages(visible)]],
         limits=limits,
@@ -338,7 +406,7 @@ def _start_child(
     s.flush()
     store.update_step(
         s,
-        step_id=step.id,
+        step_id=step_id,
         messages=[m.as_dict() for m in messages],
         provider="conductor",
         model=job.planner,
@@ -348,12 +416,12 @@ def _start_child(
     return Dispatch(plan=[child.id])
 
 
-def _wait_for_rate_limit(agent: str, config: AgentConfig, settings: Settings) -> None:
-    """Takes a token from the agent's bucket shared by every worker (Redis). Embedded mode (one process,
-    in-memory broker) has no Redis and runs unlimited."""
+def _wait_for_rate_limit(agent: str, config: AgentConfig, settings: Settings, *, tenant: str) -> None:
+    """Takes a token from the agent's bucket shared by every worker (Redis), within the tenant's fair
+    share of it. Embedded mode (one process, in-memory broker) has no Redis and runs unlimited."""
     if config.rpm is None or not settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
         return
-    get_limiter(settings.broker_url).acquire(agent, config.rpm, timeout_s=settings.rate_limit_wait_s)
+    get_limiter(settings.broker_url).acquire(agent, config.rpm, timeout_s=settings.rate_limit_wait_s, tenant=tenant)
 
 
 def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
@@ -370,75 +438,150 @@ def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
     }
 
 
-def _fail_step(job_id: str, step_id: int, exc: ProviderError, *, attempts: int, owner: str) -> Dispatch:
+def _fail_step(
+    job_id: str,
+    step_id: int,
+    exc: ProviderError | ConductorError,
+    *,
+    attempts: int,
+    owner: str,
+    attempt_id: int | None,
+    latency_ms: int = 0,
+    attempt_error: ProviderError | ConductorError | None = None,
+    attempts_column: int | None = None,
+) -> Dispatch:
+    """The outcome transaction of a step that failed: closes its attempt, records the failure; the job
+    then fails (its other steps are skipped)."""
     reason = "gave up after" if exc.retryable else "not retryable, after"
     message = f"{exc} ({reason} {attempts} attempt{'s' if attempts != 1 else ''})" if attempts else str(exc)
-    with session_scope() as s:
-        store.finish_step(
-            s,
-            step_id=step_id,
-            from_=[StepStatus.RUNNING],
-            to=StepStatus.FAILED,
-            lease_owner=owner,
-            error_type=type(exc).__name__,
-            error=message,
-        )
+    extra: dict[str, Any] = {} if attempts_column is None else {"attempts": attempts_column}
+
+    def record(s: Session) -> bool:
+        store.lock_job(s, job_id=job_id)
+        if attempt_id is not None:
+            failed = attempt_error or exc
+            store.finish_attempt(s, attempt_id=attempt_id, latency_ms=latency_ms,
+                                 error_type=failed.error_type, error=str(failed))
+        return store.record_step(s, step_id=step_id, owner=owner, to=StepStatus.FAILED,
+                                 error_type=exc.error_type, error=message, **extra)
+
+    if not transaction(record):
+        return Dispatch()
     return advance(job_id)
+
+
+def _record_success(
+    job_id: str, index: int, step_id: int, owner: str, attempt_id: int, completion: Completion,
+    columns: dict[str, Any],
+) -> Dispatch:
+    """The outcome transaction: locks the job row, records the answer, closes the attempt, and then
+    either marks the steps that became ready (one ``UPDATE … RETURNING``) or finalizes the job."""
+    parent: list[str] = []
+    ended: list[str] = []
+
+    def record(s: Session) -> Dispatch | None:
+        parent.clear()
+        ended.clear()
+        head = store.lock_job(s, job_id=job_id)
+        store.finish_attempt(s, attempt_id=attempt_id, latency_ms=completion.latency_ms)
+        if not store.record_step(s, step_id=step_id, owner=owner, to=StepStatus.SUCCEEDED, **columns):
+            # Cancelled or taken over meanwhile: the answer is dropped, its cost is not.
+            store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, input_tokens=completion.input_tokens,
+                                       output_tokens=completion.output_tokens, cost_usd=columns["cost_usd"])
+            return Dispatch()
+        if head is None or head.status != JobStatus.RUNNING:
+            return Dispatch()
+        steps = store.step_heads(s, job_id=job_id)
+        if any(st.status == StepStatus.FAILED for st in steps):
+            return None  # another step failed: the job fails, after this commit
+        if all(st.status == StepStatus.SUCCEEDED for st in steps):
+            answer = columns["output"] if index == steps[-1].index else store.step_output(
+                s, job_id=job_id, index=steps[-1].index)
+            if _finalize(s, head, steps, answer):
+                ended.append(job_id)
+                parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
+            return Dispatch(webhooks=_webhooks_owed(s, job_id) if ended else [])
+        return _dispatch_ready(s, job_id, steps)
+
+    outcome = transaction(record)
+    if outcome is None:
+        return advance(job_id)
+    for done in ended:
+        telemetry.job_ended(done)
+    for parent_id in parent:
+        outcome += advance(parent_id)
+    return outcome
+
+
+def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead]) -> Dispatch:
+    done = [st.index for st in steps if st.status == StepStatus.SUCCEEDED]
+    started = [st.index for st in steps if st.status != StepStatus.PENDING]
+    ready = ready_steps([st.access_list for st in steps], done=done, started=started)
+    won = store.mark_steps_queued(s, job_id=job_id, indices=ready)
+    agent = {st.index: st.agent for st in steps}
+    return Dispatch(steps=[(job_id, i) for i in won], agents={(job_id, i): agent[i] for i in won})
+
+
+def _finalize(s: Session, head: store.JobHead, steps: list[store.StepHead], answer: str | None) -> bool:
+    """running -> succeeded with the last step's output as the answer and the totals; a child job also
+    settles its parent's recursive step (the caller then advances the parent)."""
+    totals = _totals(head, steps)
+    finished = utcnow()
+    if not store.transition_job(s, job_id=head.id, from_=[JobStatus.RUNNING], to=JobStatus.SUCCEEDED,
+                                answer=answer, finished_at=finished, **totals):
+        return False
+    if head.parent_job_id is not None:
+        _settle_parent_step(s, head, succeeded=True, answer=answer, totals=totals, finished_at=finished)
+    return True
 
 
 # --- progress, completion and failure -------------------------------------------------------------
 
 
 def advance(job_id: str) -> Dispatch:
-    """After any step finished: fail the job, finalize it, or dispatch the steps that became ready."""
-    with session_scope() as s:
-        job = store.get_job(s, job_id=job_id)
-        if job is None or job.status != JobStatus.RUNNING:
+    """After any step finished (and for the reconciler): fail the job, finalize it, or dispatch the
+    steps that became ready. Locks the job row like the outcome transaction."""
+    parent: list[str] = []
+    ended: list[str] = []
+
+    def decide(s: Session) -> Dispatch | tuple[ErrorType, str, int]:
+        parent.clear()
+        ended.clear()
+        head = store.lock_job(s, job_id=job_id)
+        if head is None or head.status != JobStatus.RUNNING:
             return Dispatch()
-        steps = store.get_steps(s, job_id=job_id)
+        steps = store.step_heads(s, job_id=job_id)
         failed = [st for st in steps if st.status == StepStatus.FAILED]
         if failed:
             first = failed[0]
-            error_type, message, index = first.error_type or "step_failed", first.error or "", first.index
-        elif all(st.status == StepStatus.SUCCEEDED for st in steps):
-            return Dispatch(finalize=[job_id])
-        else:
-            done = [st.index for st in steps if st.status == StepStatus.SUCCEEDED]
-            started = [st.index for st in steps if st.status != StepStatus.PENDING]
-            ready = ready_steps([st.access_list for st in steps], done=done, started=started)
-            won = store.mark_steps_queued(s, job_id=job_id, indices=ready)
-            return Dispatch(steps=[(job_id, i) for i in won])
-    return fail_job(job_id, error_type=error_type, message=f"step {index} failed: {message}", step=index)
+            return ErrorType(first.error_type or ErrorType.STEP_FAILED), first.error or "", first.index
+        if steps and all(st.status == StepStatus.SUCCEEDED for st in steps):
+            answer = store.step_output(s, job_id=job_id, index=steps[-1].index)
+            if _finalize(s, head, steps, answer):
+                ended.append(job_id)
+                parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
+            return Dispatch(webhooks=_webhooks_owed(s, job_id) if ended else [])
+        return _dispatch_ready(s, job_id, steps)
+
+    outcome = transaction(decide)
+    if isinstance(outcome, tuple):
+        error_type, message, index = outcome
+        return fail_job(job_id, error_type=error_type, message=f"step {index} failed: {message}", step=index)
+    for done in ended:
+        telemetry.job_ended(done)
+    for parent_id in parent:
+        outcome += advance(parent_id)
+    return outcome
 
 
 def finalize_job(job_id: str) -> Dispatch:
-    """running -> succeeded with the last step's output as the answer; then resumes a parent job."""
-    with session_scope() as s:
-        job = store.get_job(s, job_id=job_id)
-        if job is None or job.status != JobStatus.RUNNING:
-            return Dispatch()
-        steps = store.get_steps(s, job_id=job_id)
-        if not steps or any(st.status != StepStatus.SUCCEEDED for st in steps):
-            return Dispatch()
-        totals = _totals(job, steps)
-        if not store.transition_job(
-            s,
-            job_id=job_id,
-            from_=[JobStatus.RUNNING],
-            to=JobStatus.SUCCEEDED,
-            answer=steps[-1].output,
-            finished_at=utcnow(),
-            **totals,
-        ):
-            return Dispatch()
-        parent = (job.parent_job_id, job.parent_step_index)
-        if parent[0] is not None:
-            _settle_parent_step(s, job, succeeded=True, answer=steps[-1].output, totals=totals)
-    return advance(parent[0]) if parent[0] is not None else Dispatch()
+    """running -> succeeded when every step succeeded (the engine finalizes inline; this remains for a
+    ``finalize`` message already on the broker)."""
+    return advance(job_id)
 
 
 def fail_job(
-    job_id: str, *, error_type: str, message: str, step: int | None = None, plan_claim: int | None = None
+    job_id: str, *, error_type: ErrorType, message: str, step: int | None = None, plan_claim: int | None = None
 ) -> Dispatch:
     """Fails the job with a readable error; its unfinished steps become ``skipped``; a parent step fails.
 
@@ -464,6 +607,7 @@ def fail_job(
             **totals,
         ):
             return Dispatch()
+        hooks = _webhooks_owed(s, job_id)
         store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED, include_waiting=True)
         children = [c.id for c in store.get_children(s, job_id=job_id) if c.status not in JobStatus.TERMINAL]
         parent_id = job.parent_job_id
@@ -471,25 +615,68 @@ def fail_job(
             _settle_parent_step(s, job, succeeded=False, answer=None, totals=totals, error=message)
     for child in children:
         cancel_job(child)  # a failed parent's running sub-workflows are stopped, not left to spend
-    return advance(parent_id) if parent_id is not None else Dispatch()
+    telemetry.job_ended(job_id)
+    return advance(parent_id) if parent_id is not None else Dispatch(webhooks=hooks)
 
 
+
+
+class _JobUsage(Protocol):
+    @property
+    def planner_input_tokens(self) -> int: ...
+    @property
+    def planner_output_tokens(self) -> int: ...
+    @property
+    def planner_cost_usd(self) -> float: ...
+    @property
+    def planner_calls(self) -> int: ...
+
+
+class _ChildJob(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def created_at(self) -> datetime: ...
+    @property
+    def parent_job_id(self) -> str | None: ...
+    @property
+    def parent_step_index(self) -> int | None: ...
+
+
+class _StepUsage(Protocol):
+    @property
+    def agent(self) -> str: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def input_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def cost_usd(self) -> float: ...
+
+
+def _webhooks_owed(s: Session, job_id: str) -> list[str]:
+    """In the transaction that ended the job: the webhook delivery it is owed (an outbox row)."""
+    delivery = webhook_store.record_job_end(s, job_id=job_id)
+    return [delivery] if delivery else []
 
 
 def _settle_parent_step(
     s: Session,
-    child: Job,
+    child: _ChildJob,
     *,
     succeeded: bool,
     answer: str | None,
     totals: dict[str, Any],
     error: str | None = None,
+    finished_at: datetime | None = None,
 ) -> None:
     assert child.parent_job_id is not None and child.parent_step_index is not None
     step = store.get_step(s, job_id=child.parent_job_id, index=child.parent_step_index)
     if step is None or step.id is None:
         return
-    latency = int(((child.finished_at or utcnow()) - (child.created_at)).total_seconds() * 1000)
+    latency = int(((finished_at or utcnow()) - child.created_at).total_seconds() * 1000)
     values: dict[str, Any] = {
         "input_tokens": totals["input_tokens"],
         "output_tokens": totals["output_tokens"],
@@ -500,11 +687,11 @@ def _settle_parent_step(
         values.update(output=answer, finish_reason="child_succeeded")
         store.finish_step(s, step_id=step.id, from_=[StepStatus.RUNNING], to=StepStatus.SUCCEEDED, **values)
     else:
-        values.update(error_type="child_job_failed", error=f"child job {child.id} failed: {error}")
+        values.update(error_type=ErrorType.CHILD_JOB_FAILED, error=f"child job {child.id} failed: {error}")
         store.finish_step(s, step_id=step.id, from_=[StepStatus.RUNNING], to=StepStatus.FAILED, **values)
 
 
-def _totals(job: Job, steps: list[Step]) -> dict[str, Any]:
+def _totals(job: _JobUsage, steps: Sequence[_StepUsage]) -> dict[str, Any]:
     return {
         "input_tokens": job.planner_input_tokens + sum(st.input_tokens for st in steps),
         "output_tokens": job.planner_output_tokens + sum(st.output_tokens for st in steps),
@@ -533,12 +720,13 @@ def cancel_job(job_id: str) -> bool:
             to=JobStatus.CANCELLED,
             cancel_requested=True,
             finished_at=utcnow(),
-            error_type="cancelled",
+            error_type=ErrorType.CANCELLED,
             error_message="the job was cancelled",
             **_totals(before, store.get_steps(s, job_id=job_id)),
         )
         if won:
             store.close_open_steps(s, job_id=job_id, to=StepStatus.CANCELLED, include_running=True)
+            _webhooks_owed(s, job_id)  # sent by the caller (send_webhooks_of) or the reconciler
         children = [c.id for c in store.get_children(s, job_id=job_id)]
         parent_id = before.parent_job_id if won else None
         if parent_id is not None:
@@ -546,6 +734,8 @@ def cancel_job(job_id: str) -> bool:
             _settle_parent_step(s, before, succeeded=False, answer=None, totals=totals, error="it was cancelled")
     for child in children:
         cancel_job(child)
+    if won:
+        telemetry.job_ended(job_id)
     if parent_id is not None:
         # The parent's recursive step just failed, so advancing it fails the parent: that sends no
         # message (anything else due would be re-sent by the reconciler from the rows).
@@ -568,7 +758,7 @@ def settle_from_children(job_id: str) -> Dispatch:
             totals = _totals(child, store.get_steps(s, job_id=child.id))
             reason = child.error_message or child.status
             _settle_parent_step(s, child, succeeded=child.status == JobStatus.SUCCEEDED, answer=child.answer,
-                                totals=totals, error=reason)
+                                totals=totals, error=reason, finished_at=child.finished_at)
     if ended:
         dispatch += advance(job_id)
     return dispatch

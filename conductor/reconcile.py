@@ -3,18 +3,25 @@
 Celery is the fast path. Messages can still be lost (Redis restarted, a SIGKILLed worker whose message
 waits out the visibility timeout, a send that failed after the commit). Each pass looks for:
 - jobs accepted but never enqueued (broker down at submit) or whose plan message vanished;
-- jobs stuck in ``planning`` longer than a step lease (the planner's worker died);
+- jobs ``planning`` whose planner's heartbeat has been silent for ``planning_stale_s`` (its worker died;
+  a slow planner keeps beating and is left alone);
+- child jobs still going after their parent ended (the parent's worker died between ending the parent
+  and cancelling its children): they are cancelled now, and their children at the next pass;
 - running jobs: steps queued long ago but never claimed, running steps whose lease expired (their
   worker died), recursive steps whose child job ended without resuming them, steps whose
   dependencies are done but were never dispatched, and jobs whose steps are all done but were never
-  finalized.
+  finalized;
+- batches whose jobs have all ended but whose output was never written (ended here, so a batch no one
+  reads still gets its output file), batches past their completion window (expired), and cancellations
+  interrupted midway.
 A step re-claimed after its worker died, or a planning re-driven, more than ``step_max_attempts``
 times fails instead of running again.
 Every re-send is safe to duplicate: plan, claim and finalize are conditional updates.
 
 Recovery bound: stalled work is first re-sent within ``reconcile_stale_s + reconcile_interval_s`` of
 stalling (later re-sends of the same message back off exponentially); a crashed worker's step within
-``step_lease_s + reconcile_interval_s``.
+``step_lease_s + reconcile_interval_s`` (its lease is renewed by a heartbeat only while its worker lives);
+a job stuck planning within ``planning_stale_s + reconcile_interval_s``.
 """
 
 from __future__ import annotations
@@ -22,13 +29,19 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from conductor.engine import Dispatch, advance, settle_from_children
+from sqlmodel import Session
+
+from conductor.batches import reconcile_batches
+from conductor.engine import Dispatch, advance, cancel_job, settle_from_children
 from conductor.settings import Settings
 from conductor.store import jobs as store
+from conductor.store import webhooks as webhook_store
 from conductor.store.db import session_scope
 from conductor.store.models import JobStatus, StepStatus, utcnow
 
 ENQUEUE_GRACE_S = 2.0
+WEBHOOK_BACKFILL_S = 24 * 3600.0
+"""How far back the reconciler looks for ended jobs whose webhook delivery was never written."""
 MAX_BACKOFF_DOUBLINGS = 6
 
 
@@ -38,6 +51,13 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
     dispatch = Dispatch()
     report: dict[str, Any] = {}
     with session_scope() as s:
+        orphans = store.orphaned_children(s)
+    for orphan in orphans:
+        cancel_job(orphan)
+    with session_scope() as s:
+        # Running jobs are locked first (their updated_at is touched), as plan_job does: a tree's root
+        # before its children.
+        running = store.running_job_ids(s, older_than=now)
         # A job committed this instant is being published by the API right now: give it a moment.
         never = store.jobs_never_enqueued(s, older_than=now - timedelta(seconds=ENQUEUE_GRACE_S))
         lost = []
@@ -45,10 +65,10 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
             if job.enqueued_at is not None and due(job.enqueued_at, job.plan_resends, stale_s, now):
                 lost.append(job.id)
                 store.update_job(s, job_id=job.id, plan_resends=job.plan_resends + 1)
-        stuck = store.jobs_stuck_planning(s, older_than=now - timedelta(seconds=settings.step_lease_s))
+        silent_s = max(settings.planning_stale_s, settings.step_lease_s)  # a few missed heartbeats
+        stuck = store.jobs_stuck_planning(s, older_than=now - timedelta(seconds=silent_s))
         for job_id in stuck:
             store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
-        running = store.running_job_ids(s, older_than=now)
         resend: list[tuple[str, int]] = []
         for job_id in running:
             for step in store.get_steps(s, job_id=job_id):
@@ -65,9 +85,12 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
                 )
                 if overdue or expired:
                     resend.append((job_id, step.index))
+                    dispatch.agents[(job_id, step.index)] = step.agent
                     if overdue and step.id is not None:
                         store.update_step(s, step_id=step.id, queued_at=now, resends=step.resends + 1)
+        webhooks = _webhooks_due(s, now=now, stale_s=stale_s)
     dispatch.plan += [*never, *lost, *stuck]
+    dispatch.webhooks += webhooks
     dispatch.steps += resend
     for job_id in running:
         dispatch += settle_from_children(job_id)
@@ -76,11 +99,30 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         never_enqueued=len(never),
         lost_plan=len(lost),
         stuck_planning=len(stuck),
+        orphans_cancelled=len(orphans),
         running_jobs=len(running),
         resent_steps=len(resend),
-        dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize),
+        webhooks=len(webhooks),
+        dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize) + len(dispatch.webhooks),
     )
+    report.update(reconcile_batches())
     return report, dispatch
+
+
+def _webhooks_due(s: Session, *, now: datetime, stale_s: float) -> list[str]:
+    """Webhook deliveries to send: ended jobs' deliveries never written (backfilled here), attempts due
+    with no message sent (a lost send, or a backoff too long for a broker countdown), and messages sent
+    but never consumed (re-sent with the same exponential backoff as steps)."""
+    for job_id in webhook_store.ended_jobs_without_delivery(s, since=now - timedelta(seconds=WEBHOOK_BACKFILL_S)):
+        webhook_store.backfill_job_end(s, job_id=job_id)
+    owed = []
+    for delivery in webhook_store.deliveries_due(s, now=now, grace_s=ENQUEUE_GRACE_S):
+        if delivery.sent_at is None:
+            owed.append(delivery.id)
+        elif due(delivery.sent_at, delivery.resends, stale_s, now):
+            owed.append(delivery.id)
+            webhook_store.note_resend(s, delivery_id=delivery.id, resends=delivery.resends + 1, sent_at=now)
+    return owed
 
 
 def due(last_sent: datetime, resends: int, stale_s: float, now: datetime) -> bool:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, NonNegativeFloat, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -15,8 +17,16 @@ SHIPPED_POOLS_DIR = Path(__file__).parent / "pools"
 DEFAULT_POOL_FILE = SHIPPED_POOLS_DIR / "research.yaml"
 
 
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+RESERVED_QUEUES = ("planner", "maintenance", "webhooks")
+
+
 def _default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "conductor-queue"
+
+
+def _default_models_dir() -> Path:
+    return Path.home() / ".cache" / "conductor-queue" / "models"
 
 
 class Settings(BaseSettings):
@@ -30,6 +40,8 @@ class Settings(BaseSettings):
     """Where named pools (``"pool": "NAME"`` -> ``NAME.yaml``) are looked up first; then beside the
     default pool file, then the shipped pools."""
     data_dir: Path = Field(default_factory=_default_data_dir)
+    models_dir: Path = Field(default_factory=_default_models_dir)
+    """Where local models that ship as PyPI chunk packages are assembled (once, then reused)."""
     auth_required: bool = True
 
     # Input limits: every request is checked against these before anything is stored.
@@ -40,9 +52,46 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1_000_000, ge=1024)
     max_metadata_bytes: int = Field(default=16_384, ge=0)
 
-    # Execution: how long a step may hold its claim before the reconciler may hand it to another worker.
-    step_lease_s: float = Field(default=600.0, gt=0)
-    step_soft_time_limit_s: float = Field(default=540.0, gt=0)
+    # OpenAI-compatible routes.
+    chat_max_wait_s: float = Field(default=600.0, gt=0, le=3600)
+    """How long ``POST /v1/chat/completions`` waits for its job before answering 504 (the job runs on;
+    its id is in the error). The wait holds no database connection."""
+    batch_max_lines: int = Field(default=1_000, ge=1, le=50_000)
+    """Most requests (lines) one batch input file may hold; ``POST /v1/files`` refuses more."""
+    batch_max_file_bytes: int = Field(default=10_000_000, ge=1024, le=200_000_000)
+    """Largest batch input file ``POST /v1/files`` accepts (the upload is the one body allowed past
+    ``max_body_bytes``; each line's own body must still fit ``max_body_bytes``)."""
+
+    # Execution: how long a step's claim lives without renewal before the reconciler may hand it to
+    # another worker. The worker renews it every third of this while it works on the step (heartbeat),
+    # so it bounds how late a dead worker's step re-runs, not how long a call may take.
+    step_lease_s: float = Field(default=30.0, gt=0)
+    db_synchronous_commit: bool = True
+    """Off, Postgres acknowledges a commit before its WAL reaches disk: each transaction stops waiting for
+    an fsync (7-13 ms on the benchmark box), and a Postgres crash can lose the last few hundred ms of
+    commits — which the engine re-drives (a lost claim or outcome is a step whose lease expires and
+    runs again), though a client may have already read a result that is then re-computed."""
+    worker_task_events: bool = True
+    """Celery task events from workers (what Flower shows); off trades that view for throughput."""
+    worker_pool: Literal["threads", "prefork", "solo", "gevent"] = "threads"
+    """``conductor worker``'s default Celery pool (``--pool`` overrides it)."""
+    planning_stale_s: float = Field(default=60.0, gt=0)
+    """A job ``planning`` whose planner's heartbeat (every third of ``step_lease_s``) has been silent this
+    long lost its worker and is planned again. A planner that is merely slow keeps beating."""
+
+    # Per-tenant quotas: what one API key's tenant may hold at once, so one tenant cannot crowd out the
+    # others. Over a quota the API answers 429 with Retry-After; another tenant is not affected.
+    tenant_submits_per_minute: int = Field(default=600, ge=1)
+    tenant_submit_burst: int | None = Field(default=None, ge=1)
+    """Submissions the tenant may make at once after an idle spell (default: the per-minute rate)."""
+    tenant_max_jobs_in_flight: int = Field(default=200, ge=1)
+    """Top-level jobs not yet ended (queued, planning or running)."""
+    tenant_max_streams: int = Field(default=10, ge=1)
+    """Open ``GET /v1/jobs/{id}/events`` streams per tenant."""
+    max_tree_steps: int = Field(default=60, ge=1)
+    """Steps one job tree (a request and all its recursive child jobs) may have in total; a child job
+    whose plan would pass it fails (``quota_exceeded``) instead of fanning out further."""
+
     step_max_attempts: int = Field(default=4, ge=1, le=20)
     retry_backoff_base_s: float = Field(default=1.0, ge=0)
     retry_backoff_max_s: float = Field(default=60.0, ge=0)
@@ -54,12 +103,60 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = Field(default=15.0, gt=0)
     reconcile_stale_s: float = Field(default=30.0, ge=0)
 
+    # Webhooks (Standard Webhooks): when each retry of a failed delivery is due, after attempt 1, 2, ...;
+    # a delivery still failing after the last one is given up (``failed``).
+    webhook_backoff_s: list[NonNegativeFloat] = Field(
+        default_factory=lambda: [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0], max_length=20
+    )
+    webhook_timeout_s: float = Field(default=15.0, gt=0, le=120)
+    webhook_retry_after_max_s: float = Field(default=36000.0, ge=0)
+    """A receiver's ``Retry-After`` is honoured up to this long."""
+    webhook_allow_loopback: bool = False
+    """Let webhooks target 127.0.0.0/8 and ::1 (tests, a receiver on the same host). Private, link-local,
+    metadata and other non-global addresses stay refused."""
+
     api_key_pepper: str = ""
     """Keyed into every API-key hash; set it in production so a leaked table alone verifies nothing."""
+
+    step_queues: dict[str, str] = Field(default_factory=dict)
+    """Agent name -> the Celery queue its steps go to (JSON: ``{"gpt-5": "steps-openai"}``), so one
+    provider's slow or rate-limited calls hold only the workers of its own queue. Other agents' steps go
+    to ``steps``. Every API, planner and step process must see the same map."""
+
+    @field_validator("step_queues")
+    @classmethod
+    def _queue_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for agent, queue in v.items():
+            if not QUEUE_NAME.fullmatch(queue) or queue in RESERVED_QUEUES:
+                raise ValueError(f"queue {queue!r} for agent {agent!r}: use 1-64 letters, digits, '-', '_' or "
+                                 f"'.', and none of {', '.join(RESERVED_QUEUES)}")
+        return v
+
+    metrics_token: str = ""
+    """A bearer token for scraping ``/metrics`` with every tenant's series (give it to Prometheus). A
+    tenant's API key sees only that tenant's series; with auth off, ``/metrics`` is open."""
+
+    # OpenTelemetry (needs the ``otel`` extra): traces of finished jobs over OTLP/HTTP.
+    otel_endpoint: str | None = None
+    """OTLP/HTTP traces endpoint, e.g. ``http://collector:4318/v1/traces``; unset: no tracing."""
+    otel_service_name: str = "conductor-queue"
+    otel_capture_content: bool = False
+    """Export the messages each worker saw and its answer (``gen_ai.input/output.messages``)."""
+    flower_basic_auth: str | None = Field(default=None, validation_alias=AliasChoices("FLOWER_BASIC_AUTH"))
+    """Flower's own ``user:pass`` login (Flower reads the same variable); ``conductor flower`` refuses to
+    listen beyond loopback without it, since Flower can revoke tasks and shut workers down."""
 
     # Client side (``conductor submit``): where the API is and which key to send.
     api_url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
+
+
+    def step_max_duration_s(self, call_timeout_s: float | None = None) -> float:
+        """The longest a step may run while its worker lives: every attempt waiting its full rate-limit
+        wait, calling for its full timeout (the agent's, else ``provider_timeout_s``) and backing off the
+        longest. Past it the heartbeat stops renewing the step's lease (its call is stuck)."""
+        per_attempt = (call_timeout_s or self.provider_timeout_s) + self.rate_limit_wait_s + self.retry_backoff_max_s
+        return self.step_max_attempts * per_attempt
 
 
 @lru_cache(maxsize=1)

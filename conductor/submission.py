@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,16 @@ from conductor.pool.config import PoolConfig, PoolError, check_planner_ref, load
 from conductor.settings import SHIPPED_POOLS_DIR, Settings
 from conductor.store import jobs as store
 from conductor.store.models import Job
+from conductor.store.webhooks import default_webhook_url
+from conductor.webhooks.targets import UnsafeTarget, check_url
 from conductor.workflow import CONDUCTOR_AGENT, FieldError, WorkflowError, parse_workflow
 
 log = logging.getLogger(__name__)
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 MAX_URL_CHARS = 2048
+MAX_JSON_DEPTH = 32
+"""How deeply ``workflow`` and ``metadata`` may nest. Deeper input is refused (422) before anything
+walks it recursively (serializing a few hundred levels fails inside pydantic)."""
 
 
 class Limits(BaseModel):
@@ -54,6 +60,13 @@ class JobCreate(BaseModel):
             raise ValueError("must not be blank")
         return v
 
+    @field_validator("workflow", "metadata", mode="before")
+    @classmethod
+    def _shallow(cls, v: Any) -> Any:
+        if nesting_depth(v) > MAX_JSON_DEPTH:
+            raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+        return v
+
     @field_validator("task", "pool", "planner", "workflow", "metadata")
     @classmethod
     def _storable(cls, v: Any) -> Any:
@@ -69,11 +82,22 @@ class JobCreate(BaseModel):
     def _url_fits(cls, v: HttpUrl | None) -> HttpUrl | None:
         if v is not None and len(str(v)) > MAX_URL_CHARS:
             raise ValueError(f"longer than {MAX_URL_CHARS} characters once encoded")
-        if v is not None:
-            # Refused rather than stored and silently never called: poll or stream events until then.
-            raise ValueError("webhook delivery is not available yet; poll GET /v1/jobs/{id} or stream "
-                             "GET /v1/jobs/{id}/events")
         return v
+
+
+def nesting_depth(value: Any) -> int:
+    """How many objects/arrays deep ``value`` goes, walked without recursion (stops past the limit)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                return depth
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def unstorable(value: Any) -> str | None:
@@ -166,6 +190,12 @@ def validate_request(body: JobCreate, settings: Settings, *, allow_pool_path: bo
         check_planner_ref(planner, pool.agents)
     except ValueError as exc:
         raise SubmissionError(422, "Unknown planner", [FieldError(("body", "planner"), str(exc))]) from exc
+    if body.webhook_url is not None:
+        try:
+            check_url(str(body.webhook_url), allow_loopback=settings.webhook_allow_loopback)
+        except UnsafeTarget as exc:
+            refused = [FieldError(("body", "webhook_url"), str(exc))]
+            raise SubmissionError(422, "Webhook target refused", refused) from exc
     if body.workflow is not None:
         max_steps, max_depth = effective_limits(body.limits.max_steps, body.limits.max_depth, settings)
         try:
@@ -190,9 +220,17 @@ def create_job(
     settings: Settings,
     idempotency_key: str | None = None,
     allow_pool_path: bool = False,
+    context: list[dict[str, Any]] | None = None,
+    admit: Callable[[Session], None] | None = None,
+    batch_id: str | None = None,
 ) -> tuple[Job, bool]:
     """Validates and inserts the job (not yet committed). Returns (job, created); with a repeated
-    Idempotency-Key and the same body, the earlier job and False."""
+    Idempotency-Key and the same body, the earlier job and False.
+
+    ``context`` is prior conversation (chat completions: the turns before the last user message);
+    ``batch_id`` links the job to the batch whose line it is.
+    ``admit`` (the API's quotas) runs after validation, only for a request that would create a job,
+    and may raise to refuse it."""
     digest = request_hash(body)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
@@ -203,6 +241,8 @@ def create_job(
         if existing is not None:
             return _replayed(existing, digest)
     pool = validate_request(body, settings, allow_pool_path=allow_pool_path)
+    if admit is not None:
+        admit(session)
     job = Job(
         tenant=tenant,
         task=body.task,
@@ -212,9 +252,11 @@ def create_job(
         request_workflow=body.workflow,
         limits=body.limits.model_dump(mode="json"),
         meta=body.metadata,
-        webhook_url=str(body.webhook_url) if body.webhook_url else None,
+        webhook_url=str(body.webhook_url) if body.webhook_url else default_webhook_url(session, tenant=tenant),
         idempotency_key=idempotency_key,
         request_hash=digest,
+        context=context or None,
+        batch_id=batch_id,
     )
     session.add(job)
     try:

@@ -17,5 +17,6 @@ TEST_ENV = {
     "CONDUCTOR_RETRY_BACKOFF_BASE_S": "0.05",
     "CONDUCTOR_RETRY_BACKOFF_MAX_S": "0.2",
     "CONDUCTOR_RATE_LIMIT_WAIT_S": "0.5",
+    "CONDUCTOR_METRICS_TOKEN": "test-metrics-token",
 }
 os.environ.update(TEST_ENV)

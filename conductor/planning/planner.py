@@ -84,7 +84,7 @@ def _plan_with_agent(
                     source="fallback",
                     format_valid=False,
                     planner=agent,
-                    error=f"the planner could not be used ({type(exc).__name__}: {exc}); ran {pool.fallback}",
+                    error=f"the planner could not be used ({exc.error_type}: {exc}); ran {pool.fallback}",
                     attempts=attempt,
                 )
             time.sleep(policy.delay(attempt, exc))

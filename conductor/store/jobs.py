@@ -4,12 +4,14 @@ duplicated or redelivered message can never move a row backwards or run finished
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
+from conductor.errors import ErrorType
 from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus, utcnow
 
 
@@ -25,19 +27,66 @@ def get_job_by_idempotency_key(session: Session, *, tenant: str, key: str) -> Jo
     return session.exec(select(Job).where(Job.tenant == tenant, Job.idempotency_key == key)).first()
 
 
-def list_jobs(session: Session, *, tenant: str, status: str | None = None, limit: int = 50) -> list[Job]:
+@dataclass(frozen=True)
+class JobFilter:
+    """What ``GET /v1/jobs`` may filter on; every field narrows the list, None means any."""
+
+    statuses: tuple[str, ...] = ()
+    batch_id: str | None = None
+    """Only the jobs of this batch (``POST /v1/batches``): one per input line."""
+    meta_key: str | None = None
+    meta_value: str | None = None
+    """With ``meta_key``: the metadata value as text (``"3"`` matches 3, ``"true"`` matches true)."""
+    created_after: datetime | None = None
+    """Inclusive: jobs created at or after this instant."""
+    created_before: datetime | None = None
+    """Exclusive, so consecutive windows [a, b), [b, c) hold every job exactly once."""
+
+
+def list_jobs(
+    session: Session, *, tenant: str, where: JobFilter = JobFilter(), after: Job | None = None, limit: int = 50
+) -> list[Job]:
+    """The tenant's top-level jobs, newest first, in the stable order (created_at, id) descending;
+    ``after`` (keyset pagination) is the last job of the previous page."""
     stmt = select(Job).where(Job.tenant == tenant, col(Job.parent_job_id).is_(None))
-    if status:
-        stmt = stmt.where(Job.status == status)
-    return list(session.exec(stmt.order_by(col(Job.created_at).desc()).limit(limit)))
+    if where.statuses:
+        stmt = stmt.where(col(Job.status).in_(where.statuses))
+    if where.batch_id is not None:
+        stmt = stmt.where(col(Job.batch_id) == where.batch_id)
+    if where.meta_key is not None:
+        value = Job.__table__.c.metadata[where.meta_key]  # type: ignore[attr-defined]
+        stmt = stmt.where(value.is_not(None) if where.meta_value is None else value.as_string() == where.meta_value)
+    if where.created_after is not None:
+        stmt = stmt.where(col(Job.created_at) >= where.created_after)
+    if where.created_before is not None:
+        stmt = stmt.where(col(Job.created_at) < where.created_before)
+    if after is not None:
+        stmt = stmt.where(sa.tuple_(col(Job.created_at), col(Job.id)) < sa.tuple_(after.created_at, after.id))
+    stmt = stmt.order_by(col(Job.created_at).desc(), col(Job.id).desc()).limit(limit)
+    return list(session.exec(stmt))
 
 
 def get_steps(session: Session, *, job_id: str) -> list[Step]:
     return list(session.exec(select(Step).where(Step.job_id == job_id).order_by(col(Step.index))))
 
 
+def step_agents(session: Session, *, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    """The agent of each (job id, step index)."""
+    if not keys:
+        return {}
+    pairs = sa.tuple_(col(Step.job_id), col(Step.index)).in_([tuple(k) for k in keys])
+    rows = session.execute(sa.select(col(Step.job_id), col(Step.index), col(Step.agent)).where(pairs))
+    return {(job_id, index): agent for job_id, index, agent in rows}
+
+
 def get_step(session: Session, *, job_id: str, index: int) -> Step | None:
     return session.exec(select(Step).where(Step.job_id == job_id, Step.index == index)).first()
+
+
+def get_steps_by_id(session: Session, *, step_ids: Sequence[int]) -> list[Step]:
+    if not step_ids:
+        return []
+    return list(session.exec(select(Step).where(col(Step.id).in_(step_ids))))
 
 
 def get_attempts(session: Session, *, step_ids: Sequence[int]) -> list[StepAttempt]:
@@ -47,6 +96,30 @@ def get_attempts(session: Session, *, step_ids: Sequence[int]) -> list[StepAttem
         col(StepAttempt.step_id), col(StepAttempt.n)
     )
     return list(session.exec(stmt))
+
+
+def count_jobs_in_flight(session: Session, *, tenant: str) -> int:
+    """The tenant's top-level jobs that have not ended."""
+    stmt = sa.select(sa.func.count()).select_from(Job).where(
+        col(Job.tenant) == tenant,
+        col(Job.parent_job_id).is_(None),
+        col(Job.status).not_in(list(JobStatus.TERMINAL)),
+    )
+    return int(session.execute(stmt).scalar_one())
+
+
+def lock_tenant(session: Session, *, tenant: str) -> None:
+    """Serializes quota checks of one tenant until the transaction ends (Postgres; SQLite, which runs
+    one writer at a time, needs none)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"conductor-tenant:{tenant}"))))
+
+
+def count_tree_steps(session: Session, *, root_job_id: str) -> int:
+    """Steps of every job in the tree rooted at ``root_job_id``."""
+    tree = sa.select(col(Job.id)).where(sa.or_(col(Job.id) == root_job_id, col(Job.root_job_id) == root_job_id))
+    stmt = sa.select(sa.func.count()).select_from(Step).where(col(Step.job_id).in_(tree))
+    return int(session.execute(stmt).scalar_one())
 
 
 def get_children(session: Session, *, job_id: str) -> list[Job]:
@@ -95,58 +168,20 @@ def insert_steps(session: Session, *, steps: Sequence[Step]) -> None:
 
 
 def mark_steps_queued(session: Session, *, job_id: str, indices: Sequence[int]) -> list[int]:
-    """pending -> queued for each index; returns the indices this caller moved (and must dispatch)."""
-    won = []
-    now = utcnow()
-    for index in indices:
-        stmt = (
-            sa.update(Step)
-            .where(col(Step.job_id) == job_id, col(Step.index) == index, col(Step.status) == StepStatus.PENDING)
-            .values(status=StepStatus.QUEUED, queued_at=now)
-        )
-        if _rowcount(session.execute(stmt)) == 1:
-            won.append(index)
-    return won
-
-
-def claim_step(
-    session: Session, *, job_id: str, index: int, worker: str, lease_s: float, task_id: str | None
-) -> Step | None:
-    """queued -> running (or re-take a running step whose lease expired: its worker died).
-
-    ``worker`` must be unique per claim: it is the fencing token every later write of this attempt
-    checks, so a worker that lost its lease can no longer record anything.
-    Returns the claimed step, or None when the step is finished, running elsewhere, or not due.
-    """
-    now = utcnow()
-    claimable = sa.or_(
-        col(Step.status) == StepStatus.QUEUED,
-        sa.and_(
-            col(Step.status) == StepStatus.RUNNING,
-            col(Step.child_job_id).is_(None),
-            col(Step.lease_expires_at) < now,
-        ),
-    )
+    """pending -> queued for each index, in one statement; returns the indices this caller moved (and must
+    dispatch): of two callers marking the same step, exactly one gets it back."""
+    if not indices:
+        return []
     stmt = (
         sa.update(Step)
-        .where(col(Step.job_id) == job_id, col(Step.index) == index, claimable)
-        .values(
-            status=StepStatus.RUNNING,
-            lease_owner=worker,
-            lease_expires_at=now + timedelta(seconds=lease_s),
-            started_at=sa.func.coalesce(col(Step.started_at), now),
-            celery_task_id=task_id,
-        )
+        .where(col(Step.job_id) == job_id, col(Step.index).in_(list(indices)), col(Step.status) == StepStatus.PENDING)
+        .values(status=StepStatus.QUEUED, queued_at=utcnow())
+        .returning(col(Step.index))
     )
-    if _rowcount(session.execute(stmt)) != 1:
-        return None
-    step = get_step(session, job_id=job_id, index=index)
-    if step is not None:
-        session.refresh(step)
-    return step
+    return sorted(int(i) for i in session.execute(stmt).scalars())
 
 
-WORKER_LOST = "WorkerLost"
+WORKER_LOST = ErrorType.WORKER_LOST
 
 
 def close_lost_attempts(session: Session, *, step_id: int) -> int:
@@ -163,33 +198,21 @@ def close_lost_attempts(session: Session, *, step_id: int) -> int:
     return _rowcount(result)
 
 
-def start_attempt(session: Session, *, step: Step, worker: str, lease_s: float) -> StepAttempt:
-    """Opens attempt n+1 and extends the lease to cover it."""
-    assert step.id is not None
-    n = int(
-        session.execute(
-            sa.select(sa.func.coalesce(sa.func.max(StepAttempt.n), 0)).where(col(StepAttempt.step_id) == step.id)
-        ).scalar_one()
-    ) + 1
-    attempt = StepAttempt(step_id=step.id, n=n, worker=worker)
-    session.add(attempt)
-    session.execute(
-        sa.update(Step)
-        .where(col(Step.id) == step.id)
-        .values(attempts=n, lease_expires_at=utcnow() + timedelta(seconds=lease_s))
-    )
-    session.flush()
-    return attempt
-
-
 def finish_attempt(
     session: Session, *, attempt_id: int, latency_ms: int, error_type: str | None = None, error: str | None = None
 ) -> None:
+    """Closes an open attempt. Fenced: an attempt already closed (as ``WorkerLost`` when another worker
+    took the step over) is not rewritten by the worker that lost it."""
     session.execute(
         sa.update(StepAttempt)
-        .where(col(StepAttempt.id) == attempt_id)
+        .where(col(StepAttempt.id) == attempt_id, col(StepAttempt.finished_at).is_(None))
         .values(finished_at=utcnow(), latency_ms=latency_ms, error_type=error_type, error=error)
     )
+
+
+USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd")
+RELEASED: dict[str, Any] = {"reserved_usd": 0.0, "reserved_tokens": 0}
+"""An ended step holds nothing against its job's budgets: what it spent is in its usage columns."""
 
 
 def finish_step(
@@ -200,7 +223,7 @@ def finish_step(
     stmt = sa.update(Step).where(col(Step.id) == step_id, col(Step.status).in_(list(from_)))
     if lease_owner is not None:
         stmt = stmt.where(col(Step.lease_owner) == lease_owner)
-    stmt = stmt.values(status=to, finished_at=utcnow(), lease_expires_at=None, **values)
+    stmt = stmt.values(status=to, finished_at=utcnow(), lease_expires_at=None, **RELEASED, **values)
     return _rowcount(session.execute(stmt)) == 1
 
 
@@ -223,15 +246,6 @@ def add_unrecorded_usage(
     )
 
 
-def renew_lease(session: Session, *, step_id: int, lease_owner: str, seconds: float) -> bool:
-    stmt = (
-        sa.update(Step)
-        .where(col(Step.id) == step_id, col(Step.lease_owner) == lease_owner, col(Step.status) == StepStatus.RUNNING)
-        .values(lease_expires_at=utcnow() + timedelta(seconds=seconds))
-    )
-    return _rowcount(session.execute(stmt)) == 1
-
-
 def update_step(session: Session, *, step_id: int, **values: Any) -> None:
     session.execute(sa.update(Step).where(col(Step.id) == step_id).values(**values))
 
@@ -252,7 +266,255 @@ def close_open_steps(
     stmt = (
         sa.update(Step)
         .where(col(Step.job_id) == job_id, unfinished)
-        .values(status=to, finished_at=utcnow(), lease_expires_at=None)
+        .values(status=to, finished_at=utcnow(), lease_expires_at=None, **RELEASED)
+    )
+    return _rowcount(session.execute(stmt))
+
+
+# --- the step hot path: two transactions per step --------------------------------------------------
+# A step is claimed in one transaction (read what it needs, claim it, open its attempt) and recorded in
+# another (lock the job row, record the outcome, close the attempt, mark the steps that became ready).
+# Each reads only the columns it uses: never the whole step list with every message and output.
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """What a worker needs to run one step, read in one statement before it claims the step."""
+
+    job_status: str
+    task: str
+    context: list[dict[str, Any]] | None
+    limits: dict[str, Any]
+    pool_config: dict[str, Any]
+    created_at: datetime
+    spent_tokens: int
+    spent_cost_usd: float
+    agent: str
+    instruction: str
+    access_list: list[int]
+    tenant: str
+    unstarted: int
+    """This job's steps not yet claimed (pending or queued), this one included while it is queued."""
+
+
+def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
+    """The job's task, context, limits and pool, what its steps spent or hold reserved so far (the
+    budgets count both), and this step's row."""
+    other = sa.orm.aliased(Step)
+    spent = sa.select(sa.func.coalesce(sa.func.sum(
+        col(other.input_tokens) + col(other.output_tokens) + col(other.reserved_tokens)), 0)).where(
+        col(other.job_id) == job_id).scalar_subquery()
+    spent_usd = sa.select(sa.func.coalesce(sa.func.sum(col(other.cost_usd) + col(other.reserved_usd)), 0.0)).where(
+        col(other.job_id) == job_id).scalar_subquery()
+    unstarted = sa.select(sa.func.count()).where(
+        col(other.job_id) == job_id, col(other.status).in_([StepStatus.PENDING, StepStatus.QUEUED])).scalar_subquery()
+    stmt = (
+        sa.select(
+            col(Job.status), col(Job.task), col(Job.context), col(Job.limits), col(Job.pool_config),
+            col(Job.created_at),
+            col(Job.planner_input_tokens) + col(Job.planner_output_tokens) + spent,
+            col(Job.planner_cost_usd) + spent_usd,
+            col(Step.agent), col(Step.instruction), col(Step.access_list), col(Job.tenant), unstarted,
+        )
+        .join(Step, sa.and_(col(Step.job_id) == col(Job.id), col(Step.index) == index))
+        .where(col(Job.id) == job_id)
+    )
+    row = session.execute(stmt).first()
+    if row is None:
+        return None
+    return StepInput(row[0], row[1], row[2], row[3] or {}, row[4] or {}, row[5], int(row[6]), float(row[7]),
+                     row[8], row[9], list(row[10] or []), row[11], int(row[12]))
+
+
+def visible_outputs(session: Session, *, job_id: str, indices: Sequence[int]) -> list[tuple[str, str]]:
+    """(subtask, answer) of each listed step, in step order."""
+    if not indices:
+        return []
+    rows = session.execute(
+        sa.select(col(Step.instruction), col(Step.output))
+        .where(col(Step.job_id) == job_id, col(Step.index).in_(list(indices)))
+        .order_by(col(Step.index))
+    )
+    return [(r[0], r[1] or "") for r in rows]
+
+
+@dataclass(frozen=True)
+class ClaimedStep:
+    step_id: int
+    attempts: int
+    """Attempts before this claim: more than 0 means an earlier worker started this step."""
+
+
+def claim_step_row(
+    session: Session,
+    *,
+    job_id: str,
+    index: int,
+    owner: str,
+    lease_s: float,
+    task_id: str | None,
+    count_attempt: bool,
+    **values: Any,
+) -> ClaimedStep | None:
+    """queued -> running (or re-take a running step whose lease expired: its worker died), only while the
+    job runs. ``owner`` is unique per claim: the fencing token every later write of this claim checks.
+    The same owner may claim again (a retried transaction whose commit did land)."""
+    now = utcnow()
+    claimable = sa.or_(
+        col(Step.status) == StepStatus.QUEUED,
+        sa.and_(
+            col(Step.status) == StepStatus.RUNNING,
+            col(Step.child_job_id).is_(None),
+            sa.or_(col(Step.lease_expires_at) < now, col(Step.lease_owner) == owner),
+        ),
+    )
+    job_running = sa.exists().where(col(Job.id) == job_id, col(Job.status) == JobStatus.RUNNING)
+    stmt = (
+        sa.update(Step)
+        .where(col(Step.job_id) == job_id, col(Step.index) == index, claimable, job_running)
+        .values(
+            status=StepStatus.RUNNING,
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=lease_s),
+            started_at=sa.func.coalesce(col(Step.started_at), now),
+            celery_task_id=task_id,
+            attempts=col(Step.attempts) + (1 if count_attempt else 0),
+            **values,
+        )
+        .returning(col(Step.id), col(Step.attempts))
+    )
+    row = session.execute(stmt).first()
+    if row is None:
+        return None
+    return ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - (1 if count_attempt else 0))
+
+
+def open_attempt(session: Session, *, step_id: int, n: int, worker: str) -> int:
+    """Inserts attempt ``n`` (already counted on the step); returns its id."""
+    return int(session.execute(
+        sa.insert(StepAttempt).values(step_id=step_id, n=n, worker=worker, started_at=utcnow())
+        .returning(col(StepAttempt.id))
+    ).scalar_one())
+
+
+def next_attempt(session: Session, *, step_id: int, owner: str, n: int, lease_s: float) -> int | None:
+    """Before a retry: counts attempt ``n`` on the step and opens it, only if this claim still holds the
+    step and its job still runs; None when cancelled, failed or taken over meanwhile."""
+    job_running = sa.exists().where(col(Job.id) == col(Step.job_id), col(Job.status) == JobStatus.RUNNING)
+    won = session.execute(
+        sa.update(Step)
+        .where(col(Step.id) == step_id, col(Step.lease_owner) == owner, col(Step.status) == StepStatus.RUNNING,
+               job_running)
+        .values(attempts=n, lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+    )
+    if _rowcount(won) != 1:
+        return None
+    return open_attempt(session, step_id=step_id, n=n, worker=owner)
+
+
+@dataclass(frozen=True)
+class JobHead:
+    """The job columns the outcome transaction needs, read under the job row's lock."""
+
+    id: str
+    status: str
+    created_at: datetime
+    parent_job_id: str | None
+    parent_step_index: int | None
+    planner_input_tokens: int
+    planner_output_tokens: int
+    planner_cost_usd: float
+    planner_calls: int
+
+
+def lock_job(session: Session, *, job_id: str) -> JobHead | None:
+    """Reads the job's head and locks its row until commit (``SELECT … FOR UPDATE``), so two steps of
+    one job recording at once are serialized: of two parents of a join finishing together, the second
+    sees the first. SQLite has no row locks; its first write takes the database lock, which serializes
+    the same way (embedded mode is one process)."""
+    row = session.execute(
+        sa.select(col(Job.id), col(Job.status), col(Job.created_at), col(Job.parent_job_id),
+                  col(Job.parent_step_index), col(Job.planner_input_tokens), col(Job.planner_output_tokens),
+                  col(Job.planner_cost_usd), col(Job.planner_calls))
+        .where(col(Job.id) == job_id)
+        .with_for_update()
+    ).first()
+    return JobHead(*row) if row is not None else None
+
+
+def record_step(session: Session, *, step_id: int, owner: str, to: str, **values: Any) -> bool:
+    """running -> ``to`` for the claim ``owner`` holds; True also when this claim already recorded it (a
+    retried transaction whose first commit landed), False when the step was cancelled or taken over.
+    Usage is added to what the step already carries (a call of a worker that lost the step was paid for
+    too: ``add_unrecorded_usage``), once: only by the update that ends the step."""
+    running = col(Step.status) == StepStatus.RUNNING
+    usage = {getattr(Step, k): sa.case((running, getattr(Step, k) + values.pop(k)), else_=getattr(Step, k))
+             for k in USAGE_COLUMNS if k in values}
+    stmt = (
+        sa.update(Step)
+        .where(col(Step.id) == step_id, col(Step.lease_owner) == owner,
+               col(Step.status).in_([StepStatus.RUNNING, to]))
+        .values(usage)
+        .values(status=to, finished_at=utcnow(), lease_expires_at=None, **RELEASED, **values)
+    )
+    return _rowcount(session.execute(stmt)) == 1
+
+
+@dataclass(frozen=True)
+class StepHead:
+    """A step's scheduling and usage columns: what advancing and finalizing read (no messages or output)."""
+
+    index: int
+    status: str
+    access_list: list[int]
+    agent: str
+    attempts: int
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float
+    error_type: str | None
+    error: str | None
+
+
+def step_heads(session: Session, *, job_id: str) -> list[StepHead]:
+    rows = session.execute(
+        sa.select(col(Step.index), col(Step.status), col(Step.access_list), col(Step.agent), col(Step.attempts),
+                  col(Step.input_tokens), col(Step.output_tokens), col(Step.cost_usd), col(Step.error_type),
+                  col(Step.error))
+        .where(col(Step.job_id) == job_id)
+        .order_by(col(Step.index))
+    )
+    return [StepHead(r[0], r[1], list(r[2] or []), r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in rows]
+
+
+def step_output(session: Session, *, job_id: str, index: int) -> str | None:
+    return session.execute(
+        sa.select(col(Step.output)).where(col(Step.job_id) == job_id, col(Step.index) == index)
+    ).scalar_one_or_none()
+
+
+def renew_leases(session: Session, *, held: Sequence[tuple[int, str]], seconds: float) -> int:
+    """The heartbeat: extends every listed (step id, owner) lease still held, in one statement."""
+    if not held:
+        return 0
+    stmt = (
+        sa.update(Step)
+        .where(sa.tuple_(col(Step.id), col(Step.lease_owner)).in_(list(held)),
+               col(Step.status) == StepStatus.RUNNING)
+        .values(lease_expires_at=utcnow() + timedelta(seconds=seconds))
+    )
+    return _rowcount(session.execute(stmt))
+
+
+def renew_planning(session: Session, *, held: Sequence[tuple[str, int]]) -> int:
+    """The heartbeat of planners at work: touches every listed (job id, planning claim) still planning
+    under that claim, in one statement."""
+    if not held:
+        return 0
+    stmt = (
+        sa.update(Job)
+        .where(sa.tuple_(col(Job.id), col(Job.plan_claims)).in_(list(held)), col(Job.status) == JobStatus.PLANNING)
+        .values(updated_at=utcnow())
     )
     return _rowcount(session.execute(stmt))
 
@@ -268,6 +530,19 @@ def running_steps_with_children(session: Session, *, job_id: str) -> list[Step]:
             )
         )
     )
+
+
+def orphaned_children(session: Session, *, limit: int = 100) -> list[str]:
+    """Child jobs still going although their parent has ended: the parent failed or was cancelled and
+    its worker died before it cancelled them (that cascade runs after the parent's commit)."""
+    parent = sa.orm.aliased(Job)
+    stmt = (
+        sa.select(col(Job.id))
+        .join(parent, col(Job.parent_job_id) == parent.id)
+        .where(col(Job.status).not_in(list(JobStatus.TERMINAL)), col(parent.status).in_(list(JobStatus.TERMINAL)))
+        .limit(limit)
+    )
+    return list(session.execute(stmt).scalars())
 
 
 def jobs_never_enqueued(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:

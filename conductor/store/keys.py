@@ -11,6 +11,10 @@ from sqlmodel import Session, col, select
 from conductor.store.models import ApiKey, utcnow
 
 KEY_PREFIX = "cq_"
+PEPPER_WARNING = (
+    "CONDUCTOR_API_KEY_PEPPER is empty: API-key hashes are unkeyed, so a leaked key table verifies keys "
+    "by itself. Set it once in production and keep it (changing it invalidates every key)"
+)
 
 
 def hash_key(key: str, pepper: str = "") -> str:

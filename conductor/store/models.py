@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
+from enum import StrEnum, nonmember
 from typing import Any
 
 import sqlalchemy as sa
@@ -49,17 +50,17 @@ def _json(default: Any = None, nullable: bool = True) -> Any:
     return Field(default_factory=default, sa_column=Column(JSONType, nullable=nullable))
 
 
-class JobStatus:
+class JobStatus(StrEnum):
     QUEUED = "queued"
     PLANNING = "planning"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
+    TERMINAL = nonmember(frozenset({"succeeded", "failed", "cancelled"}))
 
 
-class StepStatus:
+class StepStatus(StrEnum):
     PENDING = "pending"  # waiting for its dependencies
     QUEUED = "queued"  # dependencies done, message sent to the broker
     RUNNING = "running"  # claimed by a worker (or waiting on its child job)
@@ -67,7 +68,7 @@ class StepStatus:
     FAILED = "failed"
     SKIPPED = "skipped"  # never ran because the job failed first
     CANCELLED = "cancelled"
-    DONE = (SUCCEEDED, FAILED, SKIPPED, CANCELLED)
+    DONE = nonmember(frozenset({"succeeded", "failed", "skipped", "cancelled"}))
 
 
 class ApiKey(SQLModel, table=True):
@@ -86,6 +87,7 @@ class Job(SQLModel, table=True):
     __table_args__ = (
         sa.UniqueConstraint("tenant", "idempotency_key", name="uq_job_tenant_idempotency_key"),
         sa.Index("ix_job_status_updated", "status", "updated_at"),
+        sa.Index("ix_job_tenant_created_id", "tenant", "created_at", "id"),  # GET /v1/jobs pages by these
     )
 
     id: str = Field(default_factory=new_id, primary_key=True)
@@ -132,6 +134,21 @@ class Job(SQLModel, table=True):
     idempotency_key: str | None = Field(default=None, max_length=255)
     request_hash: str | None = Field(default=None, max_length=64)
     cancel_requested: bool = False
+    batch_id: str | None = Field(default=None, max_length=64, index=True)
+    """The batch this job is a line of (``POST /v1/batches``), if any."""
+    eval_run: str | None = Field(default=None, max_length=64, index=True)
+    """The ``conductor eval`` / ``export-rollouts`` run that submitted this job (details in metadata)."""
+    reward: float | None = None
+    """Its GRPO reward once scored: 0 unparseable workflow, 0.5 valid workflow but wrong answer, 1 correct."""
+    replay_of: str | None = Field(default=None, foreign_key="job.id", index=True)
+    """The job this one replays (``POST /v1/jobs/{id}/replay``)."""
+    replay_from_step: int | None = None
+    """Steps that do not depend on this one (and are unchanged) reuse the original's outputs; None
+    re-runs every step."""
+    replay_agents: dict[str, str] | None = _json()
+    """Step index (as text) -> agent: the replay's overrides of the workflow's agents."""
+    replay_replan: bool = False
+    """Whether the replay asked the planner again instead of reusing the original workflow."""
     created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
     updated_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
     enqueued_at: datetime | None = _ts()
@@ -170,9 +187,15 @@ class Step(SQLModel, table=True):
     error_type: str | None = Field(default=None, max_length=64)
     error: str | None = Field(default=None, sa_column=Column(sa.Text))
     celery_task_id: str | None = Field(default=None, max_length=64)
+    reserved_usd: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
+    reserved_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    """What this step may still spend, held against the job's budgets from its claim until its outcome
+    is recorded (a recursive step: its child job's whole allowance). Zero once the step has ended."""
     resends: int = 0
     """How often the reconciler re-sent this step's message (it backs off exponentially)."""
     child_job_id: str | None = Field(default=None, max_length=32)
+    reused_from: int | None = Field(default=None, foreign_key="step.id")
+    """A replayed step that did not run again: the original step whose messages and output it copies."""
     lease_owner: str | None = Field(default=None, max_length=128)
     lease_expires_at: datetime | None = _ts()
     queued_at: datetime | None = _ts()
@@ -192,4 +215,148 @@ class StepAttempt(SQLModel, table=True):
     finished_at: datetime | None = _ts()
     latency_ms: int | None = None
     error_type: str | None = Field(default=None, max_length=64)
+    error: str | None = Field(default=None, sa_column=Column(sa.Text))
+
+
+class StoredFile(SQLModel, table=True):
+    """A file of the OpenAI-compatible Files API: a batch's input (validated JSONL) or its output/errors."""
+
+    __tablename__ = "stored_file"
+
+    id: str = Field(primary_key=True, max_length=64)
+    tenant: str = Field(index=True, max_length=128)
+    purpose: str = Field(max_length=32)
+    filename: str = Field(max_length=255)
+    size_bytes: int
+    lines: int = 0
+    content: bytes = Field(sa_column=Column(sa.LargeBinary, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
+
+
+class BatchStatus(StrEnum):
+    IN_PROGRESS = "in_progress"
+    CANCELLING = "cancelling"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    OPEN = nonmember(frozenset({"in_progress", "cancelling"}))
+    """Still waiting for jobs; the others are final."""
+
+
+class Batch(SQLModel, table=True):
+    """One job per input line; when every job has ended its output and error files are written."""
+
+    __tablename__ = "batch"
+    __table_args__ = (sa.Index("ix_batch_status", "status"),)
+
+    id: str = Field(primary_key=True, max_length=64)
+    tenant: str = Field(index=True, max_length=128)
+    status: str = Field(default=BatchStatus.IN_PROGRESS, max_length=16)
+    endpoint: str = Field(max_length=64)
+    input_file_id: str = Field(max_length=64)
+    completion_window: str = Field(max_length=16)
+    meta: dict[str, Any] | None = Field(default=None, sa_column=Column("metadata", JSONType, nullable=True))
+    total: int = 0
+    output_file_id: str | None = Field(default=None, max_length=64)
+    error_file_id: str | None = Field(default=None, max_length=64)
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
+    in_progress_at: datetime | None = _ts()
+    expires_at: datetime | None = _ts()
+    finalizing_at: datetime | None = _ts()
+    completed_at: datetime | None = _ts()
+    expired_at: datetime | None = _ts()
+    cancelling_at: datetime | None = _ts()
+    cancelled_at: datetime | None = _ts()
+
+
+class BatchRequest(SQLModel, table=True):
+    """One line of a batch's input: the job it became, or why it could not become one."""
+
+    __tablename__ = "batch_request"
+    __table_args__ = (
+        sa.UniqueConstraint("batch_id", "line", name="uq_batch_request_line"),
+        sa.UniqueConstraint("batch_id", "custom_id", name="uq_batch_request_custom_id"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    batch_id: str = Field(foreign_key="batch.id", index=True, max_length=64)
+    line: int
+    custom_id: str = Field(max_length=512)
+    job_id: str | None = Field(default=None, foreign_key="job.id", index=True)
+    error_code: str | None = Field(default=None, max_length=64)
+    error: str | None = Field(default=None, sa_column=Column(sa.Text))
+
+
+class TenantSettings(SQLModel, table=True):
+    """Per-tenant settings the operator manages with ``conductor webhooks``."""
+
+    __tablename__ = "tenant_settings"
+
+    tenant: str = Field(primary_key=True, max_length=128)
+    webhook_url: str | None = Field(default=None, max_length=2048)
+    """Used for every job of the tenant that names no ``webhook_url`` of its own."""
+    webhook_secret: str | None = Field(default=None, max_length=128, repr=False)
+    """The ``whsec_…`` signing secret. Kept so workers can sign; never logged or shown in traces."""
+    secret_created_at: datetime | None = _ts()
+    updated_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
+
+
+class WebhookEndpoint(SQLModel, table=True):
+    """A tenant's webhook URL that answered 410 Gone: nothing more is sent to it until re-enabled."""
+
+    __tablename__ = "webhook_endpoint"
+
+    tenant: str = Field(primary_key=True, max_length=128)
+    url_hash: str = Field(primary_key=True, max_length=64)
+    url: str = Field(max_length=2048)
+    disabled_at: datetime | None = _ts()
+    disabled_reason: str | None = Field(default=None, sa_column=Column(sa.Text))
+
+
+class DeliveryStatus(StrEnum):
+    PENDING = "pending"  # an attempt is due now or after its backoff
+    DELIVERED = "delivered"  # a 2xx answer
+    FAILED = "failed"  # every scheduled retry failed, or the target is refused
+    DISABLED = "disabled"  # the endpoint answered 410 (now or for an earlier delivery)
+
+
+class WebhookDelivery(SQLModel, table=True):
+    """One event owed to a webhook: written in the transaction that ends the job (an outbox row), so an
+    ended job's webhook cannot be lost between the commit and the send. Its id is the ``webhook-id``
+    every retry repeats."""
+
+    __tablename__ = "webhook_delivery"
+    __table_args__ = (sa.Index("ix_webhook_delivery_status_next", "status", "next_attempt_at"),)
+
+    id: str = Field(primary_key=True, max_length=40)
+    job_id: str = Field(foreign_key="job.id", unique=True, max_length=32)
+    tenant: str = Field(index=True, max_length=128)
+    url: str = Field(max_length=2048)
+    event_type: str = Field(max_length=32)
+    payload: str | None = Field(default=None, sa_column=Column(sa.Text))
+    """The exact body sent, frozen at the first attempt so every retry carries the same bytes."""
+    status: str = Field(default=DeliveryStatus.PENDING, max_length=16)
+    attempts: int = 0
+    next_attempt_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
+    lease_expires_at: datetime | None = _ts()
+    """Set while an attempt is in flight: a duplicate message meanwhile sends nothing."""
+    sent_at: datetime | None = _ts()
+    """When the message for the next attempt is due at a worker; NULL means none was sent (the
+    reconciler sends it when the attempt is due)."""
+    resends: int = 0
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
+    finished_at: datetime | None = _ts()
+
+
+class WebhookAttempt(SQLModel, table=True):
+    __tablename__ = "webhook_attempt"
+    __table_args__ = (sa.UniqueConstraint("delivery_id", "n", name="uq_webhook_attempt_delivery_n"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    delivery_id: str = Field(foreign_key="webhook_delivery.id", index=True, max_length=40)
+    n: int
+    started_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
+    finished_at: datetime | None = _ts()
+    status_code: int | None = None
+    latency_ms: int | None = None
     error: str | None = Field(default=None, sa_column=Column(sa.Text))

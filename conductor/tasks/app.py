@@ -9,12 +9,32 @@ from conductor.settings import Settings, get_settings
 
 PLANNER_QUEUE = "planner"
 STEPS_QUEUE = "steps"
+MAINTENANCE_QUEUE = "maintenance"
+"""The reconciler's own queue: a pass never waits behind a backlog of steps (which is exactly when
+recovery is needed). Give it a consumer of its own (compose runs one) or a worker with a free slot."""
+WEBHOOKS_QUEUE = "webhooks"
+"""Webhook deliveries wait on receivers; their own queue keeps a slow receiver off the step workers."""
+QUEUES = (PLANNER_QUEUE, STEPS_QUEUE, MAINTENANCE_QUEUE, WEBHOOKS_QUEUE)
+RECONCILE_EXPIRES_INTERVALS = 4
+
+# Tasks are sent by name (``send.py``), so sending never imports the module that defines them.
+PLAN_TASK = "conductor.plan"
+RUN_STEP_TASK = "conductor.run_step"
+FINALIZE_TASK = "conductor.finalize"
+RECONCILE_TASK = "conductor.reconcile"
+DELIVER_WEBHOOK_TASK = "conductor.deliver_webhook"
+
+
+def all_queues(settings: Settings) -> tuple[str, ...]:
+    """The fixed queues plus the per-agent step queues of ``CONDUCTOR_STEP_QUEUES``."""
+    return (*QUEUES, *sorted(set(settings.step_queues.values()) - set(QUEUES)))
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
     # A message may sit unacknowledged on Redis this long before Redis hands it to another worker.
-    # It must exceed the longest step (lease + hard limit), or a slow step would get a second copy.
-    visibility_timeout = int(settings.step_lease_s + settings.step_soft_time_limit_s + 120)
+    # It exceeds the longest step, so a slow step rarely gets a second copy (whose claim is refused
+    # anyway while the step's lease is renewed).
+    visibility_timeout = int(settings.step_lease_s + settings.step_max_duration_s() + 120)
     return {
         "broker_url": settings.broker_url,
         "result_backend": settings.result_backend,
@@ -28,13 +48,14 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_reject_on_worker_lost": True,
         # Steps run for minutes: a worker takes one message per free slot, never a backlog it can't serve.
         "worker_prefetch_multiplier": 1,
-        "task_queues": (Queue(PLANNER_QUEUE), Queue(STEPS_QUEUE)),
+        "task_queues": tuple(Queue(name) for name in all_queues(settings)),
         "task_default_queue": STEPS_QUEUE,
         "task_routes": {
-            "conductor.plan": {"queue": PLANNER_QUEUE},
-            "conductor.run_step": {"queue": STEPS_QUEUE},
-            "conductor.finalize": {"queue": STEPS_QUEUE},
-            "conductor.reconcile": {"queue": STEPS_QUEUE},
+            PLAN_TASK: {"queue": PLANNER_QUEUE},
+            RUN_STEP_TASK: {"queue": STEPS_QUEUE},
+            FINALIZE_TASK: {"queue": STEPS_QUEUE},
+            RECONCILE_TASK: {"queue": MAINTENANCE_QUEUE},
+            DELIVER_WEBHOOK_TASK: {"queue": WEBHOOKS_QUEUE},
         },
         # State lives in Postgres; results are not read from Celery, so none are stored there.
         "task_ignore_result": True,
@@ -46,23 +67,30 @@ def celery_config(settings: Settings) -> dict[str, object]:
         # the reconciler enqueues it later, so the client gets its 202 instead of a hung request.
         "task_publish_retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5},
         "worker_hijack_root_logger": False,
-        "task_soft_time_limit": settings.step_soft_time_limit_s,
-        "task_time_limit": settings.step_soft_time_limit_s + 60,
-        "worker_send_task_events": True,
+        # No Celery time limits: they are inert on the threads pool, and under prefork a soft limit
+        # fires inside a legitimate retry loop. Every wait in a step is bounded by the engine itself
+        # (provider timeout, rate-limit wait, retry policy, the job's deadline), and a step past
+        # ``Settings.step_max_duration_s`` loses its lease (conductor/lease.py): one story on any pool.
+        # Task events (3 publishes per task, from the worker's one consumer thread) are what Flower shows;
+        # off, a busy worker takes about twice the steps/s (docs/benchmarks.md), and a running Flower
+        # switches them on again every few seconds.
+        "worker_send_task_events": settings.worker_task_events,
         "task_send_sent_event": True,
         "beat_schedule": {
-            # A pass that could not run in its interval (no worker up) is dropped, not piled up.
+            # On its own queue a pass does not wait behind steps. One that still finds no consumer for a
+            # few intervals (none is up) is dropped rather than piled up: the next one does its work.
             "reconcile": {
-                "task": "conductor.reconcile",
+                "task": RECONCILE_TASK,
                 "schedule": settings.reconcile_interval_s,
-                "options": {"expires": settings.reconcile_interval_s},
+                "options": {"queue": MAINTENANCE_QUEUE,
+                            "expires": settings.reconcile_interval_s * RECONCILE_EXPIRES_INTERVALS},
             },
         },
     }
 
 
 def create_app(settings: Settings | None = None) -> Celery:
-    app = Celery("conductor", include=["conductor.tasks.jobs"])
+    app = Celery("conductor", include=["conductor.tasks.jobs", "conductor.tasks.webhooks"])
     app.conf.update(celery_config(settings or get_settings()))
     return app
 

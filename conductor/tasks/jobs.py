@@ -11,7 +11,7 @@ from celery import Task
 
 from conductor.engine import Dispatch, finalize_job, plan_job, run_step
 from conductor.settings import get_settings
-from conductor.tasks.app import app
+from conductor.tasks.app import FINALIZE_TASK, PLAN_TASK, RECONCILE_TASK, RUN_STEP_TASK, app
 from conductor.tasks.send import send
 
 log = logging.getLogger(__name__)
@@ -22,23 +22,23 @@ def _worker_name(task: Task) -> str:
     return f"{hostname}/{threading.current_thread().name}"[:128]
 
 
-@app.task(name="conductor.plan", bind=True)
+@app.task(name=PLAN_TASK, bind=True)
 def plan(self: Task, job_id: str) -> None:
     send(plan_job(job_id, settings=get_settings()))
 
 
-@app.task(name="conductor.run_step", bind=True)
+@app.task(name=RUN_STEP_TASK, bind=True)
 def run_step_task(self: Task, job_id: str, index: int) -> None:
     outcome = run_step(job_id, index, worker=_worker_name(self), task_id=self.request.id, settings=get_settings())
     send(outcome)
 
 
-@app.task(name="conductor.finalize", bind=True)
+@app.task(name=FINALIZE_TASK, bind=True)
 def finalize(self: Task, job_id: str) -> None:
     send(finalize_job(job_id))
 
 
-@app.task(name="conductor.reconcile", bind=True)
+@app.task(name=RECONCILE_TASK, bind=True)
 def reconcile(self: Task) -> dict[str, Any]:
     from conductor.reconcile import reconcile_once
 

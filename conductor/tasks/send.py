@@ -1,32 +1,90 @@
 """Sends what the engine says is due. A failed send is not lost: the rows say what is due, and the
-reconciler re-sends it."""
+reconciler re-sends it.
+
+Tasks are sent by name (the constants in ``conductor.tasks.app``): this module never imports the one
+that defines them (``conductor.tasks.jobs``, which imports this one to send what a task's run made due).
+"""
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from celery import group
 
 from conductor.engine import Dispatch
+from conductor.settings import get_settings
 from conductor.store import jobs as store
+from conductor.store import webhooks as webhook_store
 from conductor.store.db import session_scope
 from conductor.store.models import utcnow
+from conductor.tasks.app import DELIVER_WEBHOOK_TASK, FINALIZE_TASK, PLAN_TASK, RUN_STEP_TASK, STEPS_QUEUE, app
 
 log = logging.getLogger(__name__)
+COUNTDOWN_MAX_S = 300.0
+"""Webhook retries due within this long wait in the broker as countdown messages. Later ones are sent by
+the reconciler when due: a Redis message held past its visibility timeout would be delivered twice, and
+Postgres already holds the schedule."""
 
 
 def send(dispatch: Dispatch) -> None:
-    from conductor.tasks.jobs import finalize, plan, run_step_task
-
     for job_id in dispatch.plan:
-        plan.apply_async((job_id,))
+        app.send_task(PLAN_TASK, (job_id,), argsrepr=f"job={job_id}")
         with session_scope() as s:
             store.update_job(s, job_id=job_id, enqueued_at=utcnow())
     if dispatch.steps:
+        agents = _agents(dispatch)
+        queues = get_settings().step_queues
         # Independent ready steps go out together as one group: each runs as soon as a worker is free.
-        group(run_step_task.si(job_id, index) for job_id, index in dispatch.steps).apply_async()
+        group(
+            app.signature(RUN_STEP_TASK, (job_id, index), immutable=True).set(
+                argsrepr=step_label(job_id, index, agents.get((job_id, index))),
+                queue=queues.get(agents.get((job_id, index), ""), STEPS_QUEUE),
+            )
+            for job_id, index in dispatch.steps
+        ).apply_async()
     for job_id in dispatch.finalize:
-        finalize.apply_async((job_id,))
+        app.send_task(FINALIZE_TASK, (job_id,), argsrepr=f"job={job_id}")
+    if dispatch.webhooks:
+        for delivery_id in dispatch.webhooks:
+            app.send_task(DELIVER_WEBHOOK_TASK, (delivery_id,), argsrepr=f"delivery={delivery_id}")
+        with session_scope() as s:
+            webhook_store.mark_sent(s, delivery_ids=dispatch.webhooks, due_at=utcnow())
+
+
+def _agents(dispatch: Dispatch) -> dict[tuple[str, int], str]:
+    """Each step's agent: the engine names them; only with per-agent queues configured are the ones it
+    did not name looked up, so that no step reaches the wrong queue."""
+    missing = [key for key in dispatch.steps if key not in dispatch.agents]
+    if not missing or not get_settings().step_queues:
+        return dispatch.agents
+    with session_scope() as s:
+        return {**dispatch.agents, **store.step_agents(s, keys=missing)}
+
+
+def step_label(job_id: str, index: int, agent: str | None) -> str:
+    """What Flower and the worker log show as a step task's arguments (the message's real arguments
+    stay ``(job_id, index)``)."""
+    return f"job={job_id} step={index}" + (f" agent={agent}" if agent else "")
+
+
+def schedule_webhook_retry(delivery_id: str, delay_s: float) -> None:
+    if delay_s > COUNTDOWN_MAX_S:
+        return  # the reconciler sends it when it is due
+    app.send_task(DELIVER_WEBHOOK_TASK, (delivery_id,), countdown=delay_s, argsrepr=f"delivery={delivery_id}")
+    with session_scope() as s:
+        webhook_store.mark_sent(s, delivery_ids=[delivery_id], due_at=utcnow() + timedelta(seconds=delay_s))
+
+
+def send_webhooks_of(job_id: str) -> None:
+    """Sends the webhook a job that just ended (cancelled by the API or CLI) is owed; if the broker is
+    down, the reconciler sends it later."""
+    with session_scope() as s:
+        owed = webhook_store.pending_unsent(s, job_id=job_id)
+    try:
+        send(Dispatch(webhooks=owed))
+    except Exception as exc:  # any broker failure: the outbox row stays and the reconciler sends it
+        log.warning("webhook of job %s not yet enqueued (%s); the reconciler will send it", job_id, type(exc).__name__)
 
 
 def enqueue_plan(job_id: str) -> bool:

@@ -205,31 +205,58 @@ def test_local_model_file_missing_is_one_line_before_any_job(tmp_path: Path) -> 
 # --- the real local model (slow: llama.cpp on the CPU) ------------------------------------------------
 
 
+DOCTEST_HARNESS = """
+import doctest, sys
+result = doctest.testmod()
+print(f"doctests attempted={result.attempted} failed={result.failed}")
+sys.exit(1 if result.failed or result.attempted < 2 else 0)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_local_model_runs_a_real_job_by_default(tmp_path: Path) -> None:
+def test_the_demo_answers_its_own_task_and_the_answers_doctests_pass(tmp_path: Path) -> None:
+    """`make demo` as a new user runs it: the default (local) pool, the demo's task, and the answer's
+    code executed with its own doctests (at least the two the task asks for), which must pass."""
+    from conductor.evaluation.sandbox import run_python
+    from conductor.evaluation.scoring import extract_code
+
     result = conductor("run", TASK, "--data-dir", str(tmp_path), cwd=tmp_path, timeout=840)
     assert result.returncode == 0, result.stderr
     assert "pool: local (no OPENAI_API_KEY" in result.stderr  # the default without provider keys
-    assert "tiny demonstration model" in result.stderr
+    assert "Qwen2.5-Coder 1.5B Instruct" in result.stderr
     job = only_job(tmp_path)
     steps = steps_of(tmp_path, job["id"])
     assert job["status"] == "succeeded" and steps
-    # The planner really ran: its call is recorded with llama.cpp's token counts, and its workflow was
-    # either accepted as valid or replaced by the fallback with the reason recorded.
+    for st in steps:
+        assert st["status"] == "succeeded"
+        assert st["provider"] == "local" and st["model"] == "qwen2.5-coder-1.5b-instruct-q4_k_m"
+        assert st["input_tokens"] > 0 and 0 < st["output_tokens"] <= 512
+    assert result.stdout == steps[-1]["output"] + "\n"
+    code = extract_code(result.stdout, "is_palindrome")
+    assert "def is_palindrome(" in code, result.stdout
+    checked = run_python(code + "\n" + DOCTEST_HARNESS, timeout_s=30)
+    assert checked.passed, f"{checked.output}\n--- answer ---\n{result.stdout}"
+    assert "failed=0" in checked.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_model_can_plan_the_demo_under_the_grammar(tmp_path: Path) -> None:
+    """The local model as the conductor: a real planner call under the JSON-schema grammar, its workflow
+    accepted (or replaced by the fallback with the reason recorded), every step run on the model."""
+    result = conductor("run", TASK, "--planner", "qwen-coder", "--data-dir", str(tmp_path), cwd=tmp_path,
+                       timeout=560)
+    assert result.returncode == 0, result.stderr
+    job = only_job(tmp_path)
+    steps = steps_of(tmp_path, job["id"])
     assert job["planner_calls"] >= 1
     assert job["planner_input_tokens"] > 500  # the conductor prompt lists the workers, rules and examples
-    assert job["planner_output_tokens"] > 0
-    assert job["planner_raw"]
+    assert job["planner_output_tokens"] > 0 and job["planner_raw"]
     assert (job["workflow_source"], job["format_valid"]) == ("planner", 1) or (
         job["workflow_source"] == "fallback" and job["format_valid"] == 0 and job["planner_error"]
     )
-    for st in steps:
-        assert st["status"] == "succeeded"
-        assert st["provider"] == "local" and st["model"] == "gemma-3-270m-q4_k_m"
-        assert st["output"].strip()
-        assert st["input_tokens"] > 0 and 0 < st["output_tokens"] <= 256
-    assert result.stdout == steps[-1]["output"] + "\n"
+    assert all(st["status"] == "succeeded" and st["output"].strip() for st in steps)
     assert job["input_tokens"] == job["planner_input_tokens"] + sum(s["input_tokens"] for s in steps)
 
 

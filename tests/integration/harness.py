@@ -65,7 +65,10 @@ class Proc:
         self.log.close()
 
 
-def start_worker(env: dict[str, str], name: str, queues: str = "planner,steps", concurrency: int = 8) -> Proc:
+ALL_QUEUES = "planner,steps,maintenance"
+
+
+def start_worker(env: dict[str, str], name: str, queues: str = ALL_QUEUES, concurrency: int = 8) -> Proc:
     argv = [sys.executable, "-m", "conductor.cli", "worker", "--queues", queues, "--concurrency", str(concurrency),
             "--hostname", f"{name}@%h", "--loglevel", "info"]
     proc = Proc(name, argv, env)

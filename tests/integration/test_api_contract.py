@@ -73,14 +73,14 @@ def test_retry_after_429_then_500_then_success(client: httpx.Client) -> None:
     assert job["status"] == "succeeded"
     [step] = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
     errors = [(a["n"], (a["error"] or {}).get("type")) for a in step["attempts"]]
-    assert errors == [(1, "RateLimited"), (2, "ServerError"), (3, None)]
+    assert errors == [(1, "rate_limited"), (2, "server_error"), (3, None)]
     assert step["output"] == "[flaky] part 0" and job["usage"]["calls"] == 3
 
 
 def test_a_step_that_always_fails_fails_the_job_and_skips_the_rest(client: httpx.Client) -> None:
     job = run(client, ["broken", "a", "b"], [[], [0], [1]])
     assert job["status"] == "failed"
-    assert job["error"]["step"] == 0 and job["error"]["type"] == "ServerError"
+    assert job["error"]["step"] == 0 and job["error"]["type"] == "server_error"
     assert "step 0 failed" in job["error"]["message"] and "gave up after 4 attempts" in job["error"]["message"]
     steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
     assert [s["status"] for s in steps] == ["failed", "skipped", "skipped"]
@@ -125,7 +125,7 @@ def test_cancel_mid_run(client: httpx.Client) -> None:
 def test_token_budget_refuses_the_step_that_would_exceed_it(client: httpx.Client) -> None:
     body = {"task": "t", "workflow": wf(["a", "b", "c"], [[], [0], [1]]), "limits": {"max_tokens": 60}}
     job = wait_terminal(client, client.post("/v1/jobs", json=body).json()["id"])
-    assert job["status"] == "failed" and job["error"]["type"] == "BudgetExceeded", job
+    assert job["status"] == "failed" and job["error"]["type"] == "budget_exceeded", job
     steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
     failed = steps[job["error"]["step"]]
     assert failed["status"] == "failed" and failed["attempts"] == [] and "token budget 60" in failed["error"]["message"]
@@ -136,7 +136,7 @@ def test_token_budget_refuses_the_step_that_would_exceed_it(client: httpx.Client
 def test_deadline_fails_the_job_clearly(client: httpx.Client) -> None:
     body = {"task": "t", "workflow": wf(["slow", "a"], [[], [0]]), "limits": {"deadline_s": 1}}
     job = wait_terminal(client, client.post("/v1/jobs", json=body).json()["id"])
-    assert job["status"] == "failed" and job["error"]["type"] == "DeadlineExceeded", job
+    assert job["status"] == "failed" and job["error"]["type"] == "deadline_exceeded", job
     assert "deadline of 1" in job["error"]["message"]
 
 
@@ -173,11 +173,11 @@ def test_requests_per_minute_are_shared_by_all_steps_of_an_agent(client: httpx.C
         time.sleep(0.1)
     assert sorted(s["status"] for s in steps) == ["failed", "succeeded", "succeeded"], steps
     [refused] = [s for s in steps if s["status"] == "failed"]
-    assert [a["error"]["type"] for a in refused["attempts"]] == ["RateLimitTimeout"]
-    assert job["status"] == "failed" and job["error"]["type"] == "DeadlineExceeded"
+    assert [a["error"]["type"] for a in refused["attempts"]] == ["rate_limit_timeout"]
+    assert job["status"] == "failed" and job["error"]["type"] == "deadline_exceeded"
 
 
 def test_a_misconfigured_agent_fails_the_job_instead_of_hanging(client: httpx.Client) -> None:
     job = run(client, ["misconfigured"], [[]])
-    assert job["status"] == "failed" and job["error"]["type"] == "ConfigError", job
+    assert job["status"] == "failed" and job["error"]["type"] == "config_error", job
     assert "base_url" in job["error"]["message"]

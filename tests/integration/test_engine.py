@@ -8,6 +8,7 @@ from datetime import timedelta
 import sqlalchemy as sa
 
 from conductor.engine import fail_job, plan_job, run_step
+from conductor.errors import ErrorType
 from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
@@ -31,7 +32,7 @@ def test_a_step_whose_worker_keeps_dying_fails_instead_of_running_forever() -> N
         assert step is not None and step.id is not None
         for n in range(1, settings.step_max_attempts + 1):
             s.add(StepAttempt(step_id=step.id, n=n, worker="dead", finished_at=None if n == 4 else utcnow(),
-                              error_type=None if n == 4 else "WorkerLost"))
+                              error_type=None if n == 4 else "worker_lost"))
         store.update_step(s, step_id=step.id, status=StepStatus.RUNNING, attempts=settings.step_max_attempts,
                           lease_owner="dead#1", lease_expires_at=utcnow() - timedelta(seconds=1))
 
@@ -42,10 +43,10 @@ def test_a_step_whose_worker_keeps_dying_fails_instead_of_running_forever() -> N
         step = store.get_step(s, job_id=job_id, index=0)
         assert job is not None and step is not None and step.id is not None
         attempts = store.get_attempts(s, step_ids=[step.id])
-    assert step.status == StepStatus.FAILED and step.error_type == "StepAbandoned"
+    assert step.status == StepStatus.FAILED and step.error_type == "step_abandoned"
     assert job.status == JobStatus.FAILED and "gave up after 4 attempts" in (job.error_message or "")
     assert len(attempts) == 4 and all(a.finished_at is not None for a in attempts)  # no new call was made
-    assert attempts[-1].error_type == "WorkerLost"
+    assert attempts[-1].error_type == "worker_lost"
 
 
 def test_a_superseded_planner_cannot_fail_the_job_its_successor_started() -> None:
@@ -56,7 +57,7 @@ def test_a_superseded_planner_cannot_fail_the_job_its_successor_started() -> Non
         assert first == 1
         assert store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
     assert plan_job(job_id, settings=settings).steps == [(job_id, 0)]  # planner B, claim 2
-    fail_job(job_id, error_type="planner_error", message="A's late failure", plan_claim=first)
+    fail_job(job_id, error_type=ErrorType.PLANNER_ERROR, message="A's late failure", plan_claim=first)
     with session_scope() as s:
         job = store.get_job(s, job_id=job_id)
         assert job is not None and job.status == JobStatus.RUNNING and job.plan_claims == 2
@@ -71,7 +72,7 @@ def test_planning_that_never_finishes_is_capped() -> None:
     plan_job(job_id, settings=settings)
     with session_scope() as s:
         job = store.get_job(s, job_id=job_id)
-        assert job is not None and job.status == JobStatus.FAILED and job.error_type == "WorkerLost"
+        assert job is not None and job.status == JobStatus.FAILED and job.error_type == "worker_lost"
         assert store.get_steps(s, job_id=job_id) == []
 
 

@@ -40,6 +40,7 @@ def fault_env(proc_env: dict[str, str]) -> dict[str, str]:
         "CONDUCTOR_BROKER_URL": FAULT_BROKER,
         "CONDUCTOR_RESULT_BACKEND": FAULT_BACKEND,
         "CONDUCTOR_STEP_LEASE_S": "4",
+        "CONDUCTOR_PLANNING_STALE_S": "4",
         "CONDUCTOR_RECONCILE_INTERVAL_S": "1",
         "CONDUCTOR_RECONCILE_STALE_S": "3",
     }
@@ -125,7 +126,7 @@ def assert_one_final_output_per_step(ids: list[str]) -> None:
 
 def test_sigkill_a_worker_with_20_jobs_in_flight(fault_env: dict[str, str], fault_api: httpx.Client,
                                                  beat: Proc) -> None:
-    doomed = start_worker(fault_env, "doomed", queues="planner,steps", concurrency=8)
+    doomed = start_worker(fault_env, "doomed", queues="planner,steps,maintenance", concurrency=8)
     ids = submit_many(fault_api, 20, chain_of("slowish", 2))
     # Wait until calls are in progress on the doomed worker, then kill it without warning.
     deadline = time.monotonic() + 30
@@ -134,14 +135,14 @@ def test_sigkill_a_worker_with_20_jobs_in_flight(fault_env: dict[str, str], faul
         time.sleep(0.05)
     doomed.kill(signal.SIGKILL)
     doomed.stop()
-    survivor = start_worker(fault_env, "survivor", queues="planner,steps", concurrency=8)
+    survivor = start_worker(fault_env, "survivor", queues="planner,steps,maintenance", concurrency=8)
     try:
         jobs = wait_all_terminal(fault_api, ids)
     finally:
         survivor.stop()
     assert {j["status"] for j in jobs.values()} == {"succeeded"}
     assert_one_final_output_per_step(ids)
-    lost = [a for a in attempt_rows(ids) if a.error_type == "WorkerLost"]
+    lost = [a for a in attempt_rows(ids) if a.error_type == "worker_lost"]
     assert lost, "the kill interrupted no call: the test proved nothing"
     for job in jobs.values():
         assert job["answer"] == "[slowish] step 1"
@@ -158,7 +159,7 @@ def test_submit_while_the_broker_is_down_then_recover(fault_env: dict[str, str],
         assert r.json()["enqueued"] is False
     finally:
         proc.stop()
-    worker = start_worker(fault_env, "outbox", queues="planner,steps", concurrency=4)
+    worker = start_worker(fault_env, "outbox", queues="planner,steps,maintenance", concurrency=4)
     try:
         jobs = wait_all_terminal(fault_api, [r.json()["id"]])
     finally:
@@ -174,7 +175,7 @@ needs_local_services = pytest.mark.skipif(
 
 @needs_local_services
 def test_redis_restart_mid_run(fault_env: dict[str, str], fault_api: httpx.Client, beat: Proc) -> None:
-    worker = start_worker(fault_env, "redis-restart", queues="planner,steps", concurrency=8)
+    worker = start_worker(fault_env, "redis-restart", queues="planner,steps,maintenance", concurrency=8)
     try:
         ids = submit_many(fault_api, 8, chain_of("slowish", 3))
         time.sleep(1.5)
@@ -191,7 +192,7 @@ def test_redis_restart_mid_run(fault_env: dict[str, str], fault_api: httpx.Clien
 
 @needs_local_services
 def test_postgres_restart_mid_run(fault_env: dict[str, str], fault_api: httpx.Client, beat: Proc) -> None:
-    worker = start_worker(fault_env, "pg-restart", queues="planner,steps", concurrency=8)
+    worker = start_worker(fault_env, "pg-restart", queues="planner,steps,maintenance", concurrency=8)
     version = os.listdir("/etc/postgresql")[0]
     try:
         ids = submit_many(fault_api, 8, chain_of("slowish", 3))
@@ -220,7 +221,7 @@ def _ensure_redis() -> None:
 
 @needs_local_services
 def test_submit_while_redis_is_down(fault_env: dict[str, str], fault_api: httpx.Client, beat: Proc) -> None:
-    worker = start_worker(fault_env, "redis-down", queues="planner,steps", concurrency=4)
+    worker = start_worker(fault_env, "redis-down", queues="planner,steps,maintenance", concurrency=4)
     try:
         subprocess.run(["redis-cli", "-p", "6379", "shutdown", "nosave"], check=False, capture_output=True)
         try:

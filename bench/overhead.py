@@ -1,0 +1,119 @@
+"""Overhead per hop: the same DAGs of 0 ms steps on Conductor Queue (real API-less submit, one worker,
+Postgres, Redis), on asyncio in one process (the floor), on a bare Celery canvas (the substrate) and
+on LangGraph with its Postgres checkpointer (a durable peer), side by side in one run.
+
+A hop is from the moment a step could run (its last dependency finished; for a root, the plan) to
+the step's finish, from server-side timestamps (``step.finished_at``, ``job.planned_at``); "e2e" is
+``job.finished_at - job.created_at`` (planning included). Jobs run one at a time, so nothing queues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from bench import peers
+from bench.env import (
+    SHAPES,
+    Result,
+    job_times,
+    ms,
+    pct,
+    random_dags,
+    services,
+    step_hops,
+    submit_direct,
+    summary,
+    table,
+    wait_done,
+    workflow,
+    write_pool,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeat", type=int, default=20, help="runs per shape (random: this many DAGs)")
+    p.add_argument("--no-peers", dest="peers", action="store_false", help="Conductor Queue only")
+
+
+def run(args: argparse.Namespace) -> Result:
+    repeat = 3 if args.quick else args.repeat
+    shapes: dict[str, list[list[list[int]]]] = {name: [deps] * repeat for name, deps in SHAPES.items()}
+    shapes["random≤5"] = random_dags(repeat)
+    write_pool("bench0", {"z": 0})
+    conductor: dict[str, dict[str, Any]] = {}
+    with services(api=False, pool=args.pool, concurrency=args.concurrency, code=args.code):
+        submit_direct([workflow([[]])], "bench0")  # warm the worker (imports, connections)
+        for name, dags in shapes.items():
+            hops: list[float] = []
+            e2e: list[float] = []
+            for deps in dags:
+                ids = submit_direct([workflow(deps)], "bench0")
+                wait_done(ids, timeout=120)
+                (job,) = job_times(ids)
+                assert job.status == "succeeded", (name, job)
+                hops += step_hops(job)
+                assert job.finished is not None
+                e2e.append(job.finished - job.created)
+            conductor[name] = {"hop": summary(hops), "e2e": summary(e2e)}
+    floor = {name: _peer(lambda deps: peers.asyncio_hops(deps), dags) for name, dags in shapes.items()}
+    celery: dict[str, Any] = {}
+    graph: dict[str, Any] = {}
+    missing = peers.langgraph_available()
+    if args.peers:
+        with peers.celery_worker() as _:
+            for name, dags in shapes.items():
+                celery[name] = _peer(lambda deps, name=name: peers.celery_hops(name, deps), dags)
+        if missing is None:
+            with peers.langgraph_saver() as saver:
+                runs = iter(range(10**9))
+                for name, dags in shapes.items():
+                    graph[name] = _peer(
+                        lambda deps, name=name: peers.langgraph_hops(saver, deps, f"{name}-{next(runs)}-{time.time()}"),
+                        dags)
+    rows = []
+    for name in shapes:
+        c = conductor[name]
+        rows.append([name, len(shapes[name][0]) if name != "random≤5" else "1-5",
+                     c["hop"]["p50_ms"], c["hop"]["p99_ms"], c["e2e"]["p50_ms"], c["e2e"]["p99_ms"],
+                     *_cells(floor[name]), *_cells(celery.get(name)), *_cells(graph.get(name))])
+    headers = ["shape", "steps", "CQ hop p50 ms", "CQ hop p99 ms", "CQ e2e p50 ms", "CQ e2e p99 ms",
+               "asyncio hop p50", "asyncio e2e p50", "Celery hop p50", "Celery e2e p50",
+               "LangGraph hop p50", "LangGraph e2e p50"]
+    notes = [f"{repeat} runs per shape; worker pool `{args.pool}` x{args.concurrency}; jobs run one at a time."]
+    if not args.peers:
+        notes.append("Peers not run (`--no-peers`).")
+    elif missing:
+        notes.append(f"LangGraph: {missing}.")
+    notes.append("Celery cannot express the random DAGs (or any non series-parallel graph) as one canvas: `—`.")
+    markdown = table(headers, rows) + "\n\n" + "\n".join(notes)
+    data = {"conductor": conductor, "asyncio": floor, "celery": celery, "langgraph": graph or missing,
+            "repeat": repeat, "pool": args.pool, "concurrency": args.concurrency}
+    return Result("overhead", _command(args), data, markdown)
+
+
+def _peer(fn: Any, dags: list[list[list[int]]]) -> dict[str, Any] | None:
+    hops: list[float] = []
+    e2e: list[float] = []
+    for deps in dags:
+        out = fn(deps)
+        if out is None:
+            return None
+        hops += out[0]
+        e2e.append(out[1])
+    return {"hop": summary(hops), "e2e": summary(e2e)}
+
+
+def _cells(peer: dict[str, Any] | None) -> list[Any]:
+    if not peer:
+        return ["—", "—"]
+    return [peer["hop"]["p50_ms"], peer["e2e"]["p50_ms"]]
+
+
+def _command(args: argparse.Namespace) -> str:
+    return "python -m bench overhead" + (f" --repeat {args.repeat}" if not args.quick else " --quick") + (
+        f" --pool {args.pool} --concurrency {args.concurrency}")
+
+
+__all__ = ["add_arguments", "ms", "pct", "run"]

@@ -1,0 +1,92 @@
+"""Tokens: what the same task costs in prompt + output tokens under three context policies, counted
+with the cl100k_base BPE (``tiktoken`` when its data is cached; else ``bpe-openai``, which ships the
+same table) on the exact messages the engine sends (``conductor.context.worker_messages``):
+
+- access lists: each step sees only the steps its access list names (pev, and a 5-step DAG);
+- see-everything: the same workflows, every step seeing every earlier step;
+- MoA: 3 proposers + an aggregator, and 3 proposers x 2 layers + an aggregator (7 calls).
+
+No model runs: every answer is a fixed synthetic text of ``--answer-tokens`` tokens, so the figures
+compare context policies, not answer lengths (a real run's answers vary per agent).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from bench.env import Result, table
+from conductor.context import worker_messages
+
+TASKS = [
+    "Write a Python function that parses RFC 3339 timestamps, with tests.",
+    "Explain why the sky is blue to a ten-year-old, then to a physicist.",
+    "Design a rate limiter for an API gateway shared by many tenants; name the trade-offs.",
+    "Prove that the square root of 2 is irrational.",
+    "Summarize the causes of the 2008 financial crisis in five bullet points.",
+    "Translate 'the early bird catches the worm' into French, German and Japanese, and explain each idiom.",
+    "Find the bug: def mean(xs): return sum(xs) / len(xs) - what happens on an empty list, and fix it.",
+    "Plan a three-day trip to Kyoto for a family with two children on a modest budget.",
+]
+WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do", "eiusmod",
+         "tempor")
+WORKFLOWS: dict[str, list[list[int]]] = {
+    "pev": [[], [0], [0, 1]],
+    "dag5": [[], [], [0], [1], [2, 3]],
+    "moa 3+1": [[], [], [], [0, 1, 2]],
+    "moa 3x2+1": [[], [], [], [0, 1, 2], [0, 1, 2], [0, 1, 2], [3, 4, 5]],
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--answer-tokens", type=int, default=300)
+
+
+def encoder() -> tuple[str, Callable[[str], int]]:
+    """cl100k_base from tiktoken, or from bpe-openai when tiktoken cannot download its table."""
+    try:
+        import tiktoken
+
+        enc = tiktoken.get_encoding("cl100k_base")
+        return "tiktoken cl100k_base", lambda t: len(enc.encode(t))
+    except Exception:
+        import bpe_openai  # type: ignore[import-not-found]
+
+        benc = bpe_openai.get_encoding("cl100k_base")
+        return "bpe-openai cl100k_base (tiktoken could not fetch its table offline)", lambda t: len(benc.encode(t))
+
+
+def count(task: str, deps: Sequence[Sequence[int]], answer: str, n: Callable[[str], int]) -> int:
+    total = 0
+    for i, ds in enumerate(deps):
+        visible = [(f"subtask {d}", answer) for d in ds]
+        messages = worker_messages(task=task, visible=visible, instruction=f"subtask {i}")
+        total += sum(n(m.content) + 4 for m in messages) + n(answer)  # +4: per-message chat overhead
+    return total
+
+
+def run(args: argparse.Namespace) -> Result:
+    name, n = encoder()
+    tasks = TASKS[:2] if args.quick else TASKS
+    words = WORDS
+    answer = ""
+    while n(answer) < args.answer_tokens:
+        answer += f"{words[len(answer) % len(words)]} "
+    rows, data = [], {}
+    for wf, deps in WORKFLOWS.items():
+        everything = [list(range(i)) for i in range(len(deps))]
+        scoped = sum(count(t, deps, answer, n) for t in tasks) / len(tasks)
+        full = sum(count(t, everything, answer, n) for t in tasks) / len(tasks)
+        data[wf] = {"steps": len(deps), "access_lists": scoped, "see_everything": full}
+        rows.append([wf, len(deps), round(scoped), round(full), f"{full / scoped:.2f}x"])
+    base = data["pev"]["access_lists"]
+    for wf in ("moa 3+1", "moa 3x2+1"):
+        data[wf]["vs_pev_access_lists"] = data[wf]["access_lists"] / base
+    md = table(["workflow", "steps", "tokens, access lists", "tokens, see-everything", "see-everything / lists"], rows)
+    md += (f"\n\nMean tokens per task over {len(tasks)} tasks, answers of {n(answer)} tokens, counted with {name}. "
+           f"MoA 3+1 costs {data['moa 3+1']['vs_pev_access_lists']:.2f}x and MoA 3x2+1 "
+           f"{data['moa 3x2+1']['vs_pev_access_lists']:.2f}x the tokens of pev with access lists.")
+    cmd = "python -m bench tokens --quick" if args.quick else \
+        f"python -m bench tokens --answer-tokens {args.answer_tokens}"
+    data_out = {"encoder": name, "answer_tokens": n(answer), "tasks": len(tasks), "workflows": data}
+    return Result("tokens", cmd, data_out, md)

@@ -1,0 +1,128 @@
+"""OpenAI-style chat as a Conductor job: a conversation becomes a task with context, a finished job
+becomes a ``chat.completion``.
+
+The last user message is the task. Every earlier message (system and developer messages included)
+becomes the job's ``context``: the prior turns each worker sees after its system message, and that the
+planner sees as earlier work -- the same way a recursive step hands its visible steps to a child job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from conductor.openai_wire import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Choice,
+    CompletionUsage,
+    JobRef,
+    ModelObject,
+)
+from conductor.pool.config import PoolConfig, template_refs
+from conductor.settings import Settings
+from conductor.store.models import Job
+from conductor.submission import JobCreate
+from conductor.workflow import CONDUCTOR_AGENT
+
+MODEL_PREFIX = f"{CONDUCTOR_AGENT}/"
+MODELS_CREATED = 1_767_225_600  # 2026-01-01: a fixed timestamp, the models are not created at run time
+
+
+class ChatRequestError(ValueError):
+    """A chat request that cannot become a job; ``param`` names the offending field."""
+
+    def __init__(self, message: str, *, param: str, code: str, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+@dataclass(frozen=True)
+class ChatJob:
+    """What ``create_job`` needs for a chat request."""
+
+    body: JobCreate
+    context: list[dict[str, str]]
+
+
+def planner_for_model(model: str) -> str:
+    """``conductor`` -> the pool's planner; ``conductor/<planner>`` -> that planner. The planner is checked
+    against the pool when the job is created."""
+    if model == CONDUCTOR_AGENT:
+        return CONDUCTOR_AGENT
+    if model.startswith(MODEL_PREFIX) and len(model) > len(MODEL_PREFIX):
+        return model[len(MODEL_PREFIX):]
+    raise ChatRequestError(
+        f"The model '{model}' does not exist: use 'conductor' or 'conductor/<planner>' (GET /v1/models lists them)",
+        param="model",
+        code="model_not_found",
+        status=404,
+    )
+
+
+def chat_job(request: ChatCompletionRequest, settings: Settings) -> ChatJob:
+    """The job a chat request asks for; refuses conversations that do not end with a user turn."""
+    planner = planner_for_model(request.model)
+    last = request.messages[-1]
+    if last.role != "user" or not last.text().strip():
+        raise ChatRequestError(
+            "the last message must be a non-empty user message: it is the task",
+            param=f"messages.{len(request.messages) - 1}",
+            code="invalid_messages",
+        )
+    context = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in request.messages[:-1]
+        if m.text()
+    ]
+    total = sum(len(m["content"]) for m in context) + len(last.text())
+    if total > settings.max_task_chars:
+        raise ChatRequestError(
+            f"the conversation has {total} characters; the limit is {settings.max_task_chars}",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    body = JobCreate(
+        task=last.text(),
+        planner=None if planner == CONDUCTOR_AGENT else planner,
+        metadata=dict(request.metadata or {}),
+    )
+    return ChatJob(body=body, context=context)
+
+
+def completion(job: Job, model: str) -> ChatCompletion:
+    """A succeeded job as a ``chat.completion``; usage counts every call of the job, the planner's too."""
+    return ChatCompletion(
+        id=job.id,
+        created=int(job.created_at.timestamp()),
+        model=model,
+        choices=[Choice(message=AssistantMessage(content=job.answer or ""))],
+        usage=usage(job),
+        conductor=job_ref(job),
+    )
+
+
+def usage(job: Job) -> CompletionUsage:
+    return CompletionUsage(
+        prompt_tokens=job.input_tokens,
+        completion_tokens=job.output_tokens,
+        total_tokens=job.input_tokens + job.output_tokens,
+    )
+
+
+def job_ref(job: Job, step: dict[str, Any] | None = None) -> JobRef:
+    ended = job.finished_at is not None
+    return JobRef(
+        job_id=job.id,
+        status=job.status,
+        cost_usd=round(job.cost_usd, 8) if ended else None,
+        calls=job.calls if ended else None,
+        step=step,
+    )
+
+
+def model_list(pool: PoolConfig) -> list[ModelObject]:
+    """``conductor`` (the pool's planner), then ``conductor/<planner>`` for each template and agent."""
+    names = [CONDUCTOR_AGENT, *(MODEL_PREFIX + ref for ref in [*template_refs(), *pool.agents])]
+    return [ModelObject(id=name, created=MODELS_CREATED) for name in names]

@@ -1,0 +1,1 @@
+"""Evaluation: run a dataset through planners as ordinary jobs, score the answers, store rewards."""

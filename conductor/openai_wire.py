@@ -1,0 +1,304 @@
+"""The OpenAI wire shapes this service speaks (chat completions, models, files, batches), as pydantic
+models: the API's request and response models, and the lines of batch output files. One place, so a
+chat completion returned over HTTP and one written to a batch output file are the same object.
+
+Only what the official ``openai`` client reads is modelled; the names and types follow its own
+models (``openai.types``). Conductor's extensions are named ``conductor`` and documented in docs/api.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from conductor.submission import unstorable
+
+MAX_CHAT_MESSAGES = 512
+MAX_CONTENT_PARTS = 64
+MAX_METADATA_PAIRS = 16
+MAX_MODEL_CHARS = 256
+
+
+# --- chat completions: request ----------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    """A ``{"type": "text", "text": …}`` content part; images, audio and files are not accepted."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # e.g. ``name``: accepted and not used
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = Field(default=None, max_length=MAX_CONTENT_PARTS)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions``. The sampling parameters a client commonly sends are accepted and
+    not used: each worker of the workflow runs with its own pool settings. Anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS, description="`conductor` or `conductor/<planner>`")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    metadata: dict[str, str] | None = Field(
+        default=None, max_length=MAX_METADATA_PAIRS, description="Stored as the job's metadata."
+    )
+    n: Literal[1] | None = None
+    user: str | None = Field(default=None, max_length=512)
+    # Accepted for compatibility, not used (each step runs with its agent's own settings).
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+
+    @field_validator("model", "messages", "metadata", "user", "stop")
+    @classmethod
+    def _storable(cls, v: Any) -> Any:
+        """Text Postgres cannot store (NUL, lone surrogates) is refused with its field, not at the database."""
+        _refuse_unstorable(v)
+        return v
+
+
+def _refuse_unstorable(value: Any) -> None:
+    plain = [m.model_dump() if isinstance(m, BaseModel) else m for m in value] if isinstance(value, list) else value
+    problem = unstorable(plain)
+    if problem:
+        raise ValueError(problem)
+
+
+# --- chat completions: response ---------------------------------------------------------------------
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] = "stop"
+    logprobs: None = None
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class JobRef(BaseModel):
+    """Conductor's extension on chat completions: the job behind the answer."""
+
+    job_id: str
+    status: str
+    cost_usd: float | None = None
+    calls: int | None = None
+    step: dict[str, Any] | None = Field(default=None, description="On stream progress chunks: the step that changed.")
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(description="The job id (also in the `Conductor-Job-Id` header).")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: CompletionUsage
+    conductor: JobRef
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: CompletionUsage | None = None
+    conductor: JobRef | None = None
+
+
+# --- models -----------------------------------------------------------------------------------------
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "conductor"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorDocument(BaseModel):
+    """The error body on the OpenAI-compatible routes: ``{"error": {message, type, param, code}}``."""
+
+    error: ErrorDetail
+
+
+# --- files ------------------------------------------------------------------------------------------
+
+FilePurpose = Literal["batch", "batch_output"]
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: FilePurpose
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+# --- batches ----------------------------------------------------------------------------------------
+
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/jobs"]
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: BatchEndpoint
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_PAIRS)
+
+    @field_validator("metadata")
+    @classmethod
+    def _storable(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        _refuse_unstorable(v)
+        return v
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+# --- batch output files -----------------------------------------------------------------------------
+
+
+class BatchResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class BatchLineError(BaseModel):
+    code: str
+    message: str
+
+
+class BatchOutputLine(BaseModel):
+    """One line of a batch's output or error file."""
+
+    id: str
+    custom_id: str
+    response: BatchResponse | None
+    error: BatchLineError | None

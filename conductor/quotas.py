@@ -1,0 +1,170 @@
+"""Per-tenant quotas: how fast a tenant may submit, how many jobs it may have in flight, how many event
+streams it may hold open. Over a quota the caller gets :class:`QuotaExceeded` with the seconds after
+which trying again can succeed (the API answers 429 with ``Retry-After``); other tenants are unaffected.
+
+The submit rate and the open streams are counted in Redis (the broker's), so every API process agrees.
+If Redis cannot be reached those two quotas are not enforced (logged): the API keeps accepting work,
+as it does when the broker is down. Jobs in flight are counted in Postgres under a per-tenant lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import redis
+from sqlmodel import Session
+
+from conductor.errors import ConductorError, ErrorType
+from conductor.ratelimit import REDIS_TIMEOUT_S, RateLimiterUnavailable, get_limiter
+from conductor.settings import Settings
+from conductor.store import jobs as store
+
+log = logging.getLogger(__name__)
+SUBMIT_BUCKET = "submit:"
+STREAMS_KEY = "conductor:quota:streams:"
+STREAM_TTL_S = 60.0
+"""An open stream refreshes its slot at least this often; a slot not refreshed (its API process died)
+frees itself after this long."""
+IN_FLIGHT_RETRY_AFTER_S = 5
+
+
+@dataclass
+class QuotaExceeded(ConductorError):
+    title: str
+    detail: str
+    retry_after_s: float
+    error_type = ErrorType.QUOTA_EXCEEDED
+
+    def __str__(self) -> str:
+        return self.detail
+
+    @property
+    def retry_after(self) -> str:
+        """The ``Retry-After`` header value: whole seconds, at least 1."""
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+def _uses_redis(settings: Settings) -> bool:
+    return settings.broker_url.startswith(("redis://", "rediss://", "unix://"))
+
+
+def check_submit_rate(tenant: str, settings: Settings) -> None:
+    """Takes one submission from the tenant's bucket (``tenant_submits_per_minute``)."""
+    if not _uses_redis(settings):
+        return
+    try:
+        wait = get_limiter(settings.broker_url).try_take(
+            SUBMIT_BUCKET + tenant, per_minute=settings.tenant_submits_per_minute, burst=settings.tenant_submit_burst
+        )
+    except RateLimiterUnavailable as exc:  # Redis is down: accept (the outbox copes), and say so
+        log.warning("submit-rate quota not enforced: %s", exc)
+        return
+    if wait > 0:
+        raise QuotaExceeded(
+            "Too many submissions",
+            f"this tenant may submit {settings.tenant_submits_per_minute} jobs per minute; try again in "
+            f"{math.ceil(wait)} s",
+            wait,
+        )
+
+
+def check_jobs_in_flight(session: Session, tenant: str, settings: Settings) -> None:
+    """Refuses a new job while the tenant already has ``tenant_max_jobs_in_flight`` unfinished ones.
+    Holds a per-tenant lock until the caller's transaction ends, so concurrent submissions cannot
+    both take the last place."""
+    store.lock_tenant(session, tenant=tenant)
+    running = store.count_jobs_in_flight(session, tenant=tenant)
+    if running >= settings.tenant_max_jobs_in_flight:
+        raise QuotaExceeded(
+            "Too many jobs in flight",
+            f"this tenant has {running} unfinished jobs; the limit is {settings.tenant_max_jobs_in_flight}. "
+            "Wait for some to end (or cancel them)",
+            IN_FLIGHT_RETRY_AFTER_S,
+        )
+
+
+def admission(tenant: str, settings: Settings) -> Callable[[Session], None]:
+    """The check every route that creates a job runs before inserting it (``create_job(admit=...)``)."""
+
+    def admit(session: Session) -> None:
+        check_submit_rate(tenant, settings)
+        check_jobs_in_flight(session, tenant, settings)
+
+    return admit
+
+
+# KEYS[1] the tenant's open streams (zset: slot -> expiry, microseconds). ARGV: slot, limit, ttl (s).
+# Returns 1 when the slot is held (taken now or refreshed), else 0.
+TAKE_STREAM_LUA = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+local ttl = tonumber(ARGV[3]) * 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) == false and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], math.ceil(ttl / 1000) + 1000)
+return 1
+"""
+
+
+class StreamSlots:
+    """Open event streams per tenant, shared by every API process."""
+
+    def __init__(self, url: str):
+        self.client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
+        self._take = self.client.register_script(TAKE_STREAM_LUA)
+
+    def hold(self, tenant: str, slot: str, *, limit: int) -> bool:
+        """Takes (or refreshes) ``slot``; False when the tenant already holds ``limit`` other slots."""
+        return bool(int(self._take(keys=[STREAMS_KEY + tenant], args=[slot, limit, repr(STREAM_TTL_S)])))
+
+    def release(self, tenant: str, slot: str) -> None:
+        self.client.zrem(STREAMS_KEY + tenant, slot)
+
+
+@lru_cache(maxsize=4)
+def stream_slots(url: str) -> StreamSlots:
+    return StreamSlots(url)
+
+
+def open_stream(tenant: str, slot: str, settings: Settings) -> None:
+    """Takes one of the tenant's ``tenant_max_streams`` stream slots, or raises QuotaExceeded."""
+    if not _uses_redis(settings):
+        return
+    try:
+        held = stream_slots(settings.broker_url).hold(tenant, slot, limit=settings.tenant_max_streams)
+    except redis.RedisError as exc:
+        log.warning("stream quota not enforced: %s", exc)
+        return
+    if not held:
+        raise QuotaExceeded(
+            "Too many event streams",
+            f"this tenant already has {settings.tenant_max_streams} event streams open; close one first",
+            STREAM_TTL_S / 4,
+        )
+
+
+def refresh_stream(tenant: str, slot: str, settings: Settings) -> None:
+    if _uses_redis(settings):
+        try:
+            stream_slots(settings.broker_url).hold(tenant, slot, limit=settings.tenant_max_streams + 1_000_000)
+        except redis.RedisError as exc:
+            log.warning("stream slot not refreshed: %s", exc)
+
+
+def close_stream(tenant: str, slot: str, settings: Settings) -> None:
+    if _uses_redis(settings):
+        try:
+            stream_slots(settings.broker_url).release(tenant, slot)
+        except redis.RedisError as exc:
+            log.warning("stream slot not released (it expires by itself): %s", exc)
+
+
+__all__ = ["QuotaExceeded", "admission", "check_jobs_in_flight", "check_submit_rate", "close_stream", "open_stream",
+           "refresh_stream"]

@@ -1,0 +1,106 @@
+"""RFC 9457 problem details: the one error shape of the REST API, and the handlers that produce it.
+
+HTTP status codes for domain errors are chosen here and nowhere else."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conductor.quotas import QuotaExceeded
+from conductor.submission import IdempotencyConflict, SubmissionError
+
+log = logging.getLogger(__name__)
+PROBLEM = "application/problem+json"
+REF = "#/components/schemas/"
+
+
+class FieldProblem(BaseModel):
+    """One invalid input: where it is (``["body", "workflow", "subtasks", 1]``) and what is wrong."""
+
+    loc: list[str | int]
+    msg: str
+
+
+class ProblemDocument(BaseModel):
+    """RFC 9457 problem details, as every error response carries them."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+    errors: list[FieldProblem] | None = None
+
+
+def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI declarations of the problem+json error responses a route can send."""
+    schema = {"$ref": f"{REF}ProblemDocument"}
+    return {status: {"model": ProblemDocument, "content": {PROBLEM: {"schema": schema}}} for status in statuses}
+
+
+class Problem(Exception):
+    def __init__(self, status: int, title: str, detail: str = "", errors: list[dict[str, Any]] | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(detail or title)
+        self.status, self.title, self.detail, self.errors, self.headers = status, title, detail, errors, headers
+
+
+def problem_response(status: int, title: str, detail: str = "", errors: list[dict[str, Any]] | None = None,
+                     headers: dict[str, str] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"type": "about:blank", "title": title, "status": status, "detail": detail or title}
+    if errors:
+        body["errors"] = errors
+    return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(QuotaExceeded)
+    async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
+        return problem_response(429, exc.title, exc.detail, headers={"Retry-After": exc.retry_after})
+
+    @app.exception_handler(Problem)
+    async def _problem(_: Request, exc: Problem) -> JSONResponse:
+        return problem_response(exc.status, exc.title, exc.detail, exc.errors, exc.headers)
+
+    @app.exception_handler(SubmissionError)
+    async def _submission(_: Request, exc: SubmissionError) -> JSONResponse:
+        return problem_response(exc.status, exc.title, str(exc), [e.as_dict() for e in exc.errors])
+
+    @app.exception_handler(IdempotencyConflict)
+    async def _idem(_: Request, exc: IdempotencyConflict) -> JSONResponse:
+        return problem_response(422, "Idempotency-Key reused", str(exc),
+                                [{"loc": ["header", "Idempotency-Key"], "msg": str(exc)}])
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
+        return problem_response(422, "Invalid request", "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors), errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return problem_response(exc.status_code, str(exc.detail), str(exc.detail))
+
+    @app.exception_handler(DataError)
+    async def _unstorable(_: Request, exc: DataError) -> JSONResponse:
+        # Input the database refused to store: a client error, never a reason to retry.
+        return problem_response(422, "Invalid input", "a value in the request cannot be stored")
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _db_down(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable: %s", type(exc).__name__)
+        return problem_response(503, "Database unavailable", "the job store cannot be reached; retry shortly",
+                                headers={"Retry-After": "5"})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return problem_response(500, "Internal error", "an unexpected error occurred; it has been logged")

@@ -1,0 +1,1 @@
+"""One module per resource, each an ``APIRouter`` that ``create_app`` includes."""

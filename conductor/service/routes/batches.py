@@ -1,0 +1,138 @@
+"""OpenAI-compatible Batches: create from an uploaded file, read, list, cancel.
+
+A batch's jobs run as ordinary jobs. Reading an open batch also ends it when its last job has ended
+(``finish_if_done``), so a client polling ``GET /v1/batches/{id}`` sees the output file as soon as it
+exists; the reconciler does the same for batches no one reads.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, BackgroundTasks, Query
+from sqlmodel import Session
+
+from conductor.batches import cancel_batch, create_batch, finish_if_done
+from conductor.openai_wire import BatchCreate, BatchList, BatchObject, RequestCounts
+from conductor.quotas import admission
+from conductor.service.deps import SessionDep, SettingsDep, TenantDep
+from conductor.service.openai_errors import OpenAIError, openai_errors
+from conductor.service.routes.files import file_or_404
+from conductor.store import batches as store
+from conductor.store.models import Batch, BatchStatus
+
+router = APIRouter(tags=["openai"])
+BATCH_ID_RE = re.compile(r"batch_[0-9a-f]{32}")
+MAX_LIST_LIMIT = 100
+
+
+def _ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+def batch_object(session: Session, batch: Batch) -> BatchObject:
+    counts = store.batch_counts(session, batch_id=batch.id)
+    return BatchObject(
+        id=batch.id,
+        endpoint=batch.endpoint,
+        input_file_id=batch.input_file_id,
+        completion_window=batch.completion_window,
+        status=batch.status,
+        output_file_id=batch.output_file_id,
+        error_file_id=batch.error_file_id,
+        created_at=int(batch.created_at.timestamp()),
+        in_progress_at=_ts(batch.in_progress_at),
+        expires_at=_ts(batch.expires_at),
+        finalizing_at=_ts(batch.finalizing_at),
+        completed_at=_ts(batch.completed_at),
+        expired_at=_ts(batch.expired_at),
+        cancelling_at=_ts(batch.cancelling_at),
+        cancelled_at=_ts(batch.cancelled_at),
+        request_counts=RequestCounts(total=batch.total, completed=counts.completed, failed=counts.failed),
+        metadata=batch.meta,
+    )
+
+
+def batch_or_404(session: Session, batch_id: str, tenant: str) -> Batch:
+    """The caller's batch, or 404 (another tenant's batch is indistinguishable from a missing one)."""
+    well_formed = BATCH_ID_RE.fullmatch(batch_id) is not None
+    batch = store.get_batch(session, batch_id=batch_id, tenant=tenant) if well_formed else None
+    if batch is None:
+        raise OpenAIError(404, f"No such Batch object: {batch_id if well_formed else '(malformed id)'}",
+                          code="not_found", param="batch_id")
+    return batch
+
+
+def _current(session: Session, batch: Batch) -> BatchObject:
+    """The batch as it is now, ended first if its last job has ended."""
+    if batch.status in BatchStatus.OPEN and finish_if_done(batch.id):
+        session.expire_all()
+        batch = store.get_batch(session, batch_id=batch.id) or batch
+    return batch_object(session, batch)
+
+
+@router.post("/v1/batches", responses=openai_errors(400, 401, 404, 422, 429, 503))
+def create(
+    body: BatchCreate, background: BackgroundTasks, session: SessionDep, tenant: TenantDep, settings: SettingsDep
+) -> BatchObject:
+    """One job per line of the input file. A line whose method, url or body is wrong fails alone (it is
+    in the error file when the batch ends); the others run."""
+    input_file = file_or_404(session, body.input_file_id, tenant)
+    if input_file.purpose != "batch":
+        raise OpenAIError(400, f"file {input_file.id} is not a batch input file (purpose '{input_file.purpose}')",
+                          param="input_file_id", code="invalid_file")
+    # A batch is one submission: refused (429) while the tenant is over its rate or already at its limit
+    # of jobs in flight; its lines then count in flight like any job until they end.
+    admission(tenant, settings)(session)
+    batch, job_ids = create_batch(session, tenant=tenant, input_file=input_file, endpoint=body.endpoint,
+                                  completion_window=body.completion_window, metadata=body.metadata,
+                                  settings=settings)
+    session.commit()  # the batch and every job are durable before any message is sent
+    background.add_task(_enqueue, job_ids)
+    return _current(session, batch)
+
+
+def _enqueue(job_ids: list[str]) -> None:
+    """After the answer: one message per job (tens of ms each). If this process dies first, or the
+    broker is down, the jobs are still stored with no ``enqueued_at`` and the reconciler sends them."""
+    from conductor.tasks.send import enqueue_plan
+
+    for job_id in job_ids:
+        if not enqueue_plan(job_id):
+            return
+
+
+@router.get("/v1/batches", responses=openai_errors(400, 401, 422, 503))
+def list_batches(
+    session: SessionDep,
+    tenant: TenantDep,
+    after: Annotated[str | None, Query(pattern=BATCH_ID_RE.pattern)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 20,
+) -> BatchList:
+    """Newest first; pass the last id of a page as `after` for the next."""
+    batches = store.list_batches(session, tenant=tenant, after=after, limit=limit + 1)
+    page = [_current(session, b) for b in batches[:limit]]
+    return BatchList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                     has_more=len(batches) > limit)
+
+
+@router.get("/v1/batches/{batch_id}", responses=openai_errors(401, 404, 503))
+def get_batch(batch_id: str, session: SessionDep, tenant: TenantDep) -> BatchObject:
+    return _current(session, batch_or_404(session, batch_id, tenant))
+
+
+@router.post("/v1/batches/{batch_id}/cancel", responses=openai_errors(401, 404, 409, 503))
+def cancel(batch_id: str, session: SessionDep, tenant: TenantDep) -> BatchObject:
+    """Cancels the jobs not yet ended; the batch ends `cancelled`, its output file holding what finished."""
+    batch = batch_or_404(session, batch_id, tenant)
+    if batch.status == BatchStatus.IN_PROGRESS:
+        session.rollback()  # no transaction held open while the jobs are cancelled
+        cancel_batch(batch.id)
+        session.expire_all()
+        batch = batch_or_404(session, batch_id, tenant)
+    elif batch.status != BatchStatus.CANCELLING:
+        raise OpenAIError(409, f"batch {batch.id} is {batch.status}; only a batch in progress can be cancelled",
+                          code="conflict")
+    return _current(session, batch)

@@ -1,0 +1,105 @@
+"""OpenAI-compatible Files: upload a batch input file, read a file's record and its content.
+
+An input file is checked on upload (size, line count, one JSON object per line, unique ``custom_id``s):
+one that fails is refused naming the line, so a batch never starts from a file that cannot run.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Form, Query, UploadFile
+from fastapi.responses import Response
+from sqlmodel import Session
+
+from conductor.batches import BatchFileError, store_input_file
+from conductor.openai_wire import FileList, FileObject, FilePurpose
+from conductor.service.deps import SessionDep, SettingsDep, TenantDep
+from conductor.service.openai_errors import OpenAIError, openai_errors
+from conductor.store import batches as store
+from conductor.store.models import StoredFile
+from conductor.submission import unstorable
+
+router = APIRouter(tags=["openai"])
+FILE_ID_RE = re.compile(r"file-[0-9a-f]{32}")
+MAX_LIST_LIMIT = 100
+CONTENT_RESPONSE = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+
+
+def file_object(file: StoredFile) -> FileObject:
+    return FileObject(
+        id=file.id,
+        bytes=file.size_bytes,
+        created_at=int(file.created_at.timestamp()),
+        filename=file.filename,
+        purpose="batch_output" if file.purpose == "batch_output" else "batch",
+    )
+
+
+def file_or_404(session: Session, file_id: str, tenant: str) -> StoredFile:
+    """The caller's file, or 404 (another tenant's file is indistinguishable from a missing one)."""
+    file = store.get_file(session, file_id=file_id, tenant=tenant) if FILE_ID_RE.fullmatch(file_id) else None
+    if file is None:
+        raise OpenAIError(404, f"No such File object: {file_id if FILE_ID_RE.fullmatch(file_id) else '(malformed id)'}",
+                          code="not_found", param="file_id")
+    return file
+
+
+@router.post("/v1/files", responses=openai_errors(400, 401, 413, 422, 503))
+def upload_file(
+    file: UploadFile,
+    purpose: Annotated[str, Form(max_length=32)],
+    session: SessionDep,
+    tenant: TenantDep,
+    settings: SettingsDep,
+) -> FileObject:
+    """A batch input file (`purpose` must be `batch`): JSONL, one request per line,
+    `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/jobs", "body"}`."""
+    if purpose != "batch":
+        raise OpenAIError(400, f"purpose '{purpose}' is not supported here; use 'batch'", param="purpose",
+                          code="invalid_purpose")
+    content = file.file.read(settings.batch_max_file_bytes + 1)
+    filename = file.filename or "batch.jsonl"
+    if unstorable(filename):
+        raise OpenAIError(400, f"filename {unstorable(filename)}", param="file", code="invalid_filename")
+    try:
+        stored = store_input_file(session, tenant=tenant, filename=filename, content=content, settings=settings)
+    except BatchFileError as exc:
+        raise OpenAIError(exc.status, str(exc), code=exc.code, param="file") from exc
+    session.commit()
+    return file_object(stored)
+
+
+@router.get("/v1/files", responses=openai_errors(400, 401, 422, 503))
+def list_files(
+    session: SessionDep,
+    tenant: TenantDep,
+    purpose: Annotated[FilePurpose | None, Query()] = None,
+    after: Annotated[str | None, Query(pattern=FILE_ID_RE.pattern)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 20,
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+) -> FileList:
+    """The tenant's files (batch inputs, and the output and error files of its batches), newest first by
+    default; pass the last id of a page as `after` for the next."""
+    files = store.list_files(session, tenant=tenant, purpose=purpose, after=after, limit=limit + 1,
+                             newest_first=order == "desc")
+    page = [file_object(f) for f in files[:limit]]
+    return FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                    has_more=len(files) > limit)
+
+
+@router.get("/v1/files/{file_id}", responses=openai_errors(401, 404, 503))
+def get_file(file_id: str, session: SessionDep, tenant: TenantDep) -> FileObject:
+    return file_object(file_or_404(session, file_id, tenant))
+
+
+@router.get(
+    "/v1/files/{file_id}/content",
+    response_class=Response,
+    responses={**openai_errors(401, 404, 503), 200: CONTENT_RESPONSE},
+)
+def get_file_content(file_id: str, session: SessionDep, tenant: TenantDep) -> Response:
+    file = file_or_404(session, file_id, tenant)
+    return Response(file.content, media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="{file.id}.jsonl"'})

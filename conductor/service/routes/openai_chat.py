@@ -1,0 +1,258 @@
+"""OpenAI-compatible chat: ``POST /v1/chat/completions`` runs a job and answers with it; ``GET /v1/models``.
+
+The job runs through the normal pipeline (plan, steps on the Celery workers); the request waits for it
+here, up to ``chat_max_wait_s``, polling the job's row with a short session per poll, so a waiting
+request holds no database connection. A client that disconnects leaves the job running: its id is in
+the ``Conductor-Job-Id`` header, and ``GET /v1/jobs/{id}`` has the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from sqlmodel import Session
+
+from conductor.chat import ChatRequestError, chat_job, completion, job_ref, model_list, usage
+from conductor.openai_wire import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkChoice,
+    Delta,
+    ModelList,
+    ModelObject,
+)
+from conductor.quotas import QuotaExceeded, admission, close_stream, open_stream, refresh_stream
+from conductor.service.deps import SettingsDep, TenantDep, resolve_tenant
+from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
+from conductor.settings import Settings
+from conductor.store import jobs as store
+from conductor.store.db import get_engine
+from conductor.store.models import Job, JobStatus
+from conductor.submission import SubmissionError, create_job, resolve_pool
+
+router = APIRouter(tags=["openai"])
+
+
+def tenant_briefly(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> str:
+    """The caller's tenant, looked up with a session closed at once (``TenantDep``'s session would stay
+    open, holding a connection, for as long as the request waits for its job)."""
+    with Session(get_engine(settings.database_url)) as session:
+        return resolve_tenant(session, settings, authorization)
+
+
+BriefTenantDep = Annotated[str, Depends(tenant_briefly)]
+JOB_HEADER = "Conductor-Job-Id"
+POLL_MIN_S = 0.05
+POLL_MAX_S = 1.0
+POLL_FRACTION = 0.1
+"""A waiting request polls every ``POLL_FRACTION`` of the time it has waited (within the bounds), so it
+learns of the job's end at most ~10% late, and a long job costs a few queries a minute, not ten a second."""
+STREAM_POLL_S = 0.2
+HEARTBEAT_S = 15.0
+
+STREAM_RESPONSE = {
+    "description": "With `stream: true`: `chat.completion.chunk` events, then `data: [DONE]`.",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+@router.get("/v1/models", responses=openai_errors(401, 503))
+def list_models(tenant: TenantDep, settings: SettingsDep) -> ModelList:
+    return ModelList(data=model_list(resolve_pool(None, settings)))
+
+
+@router.get("/v1/models/{model:path}", responses=openai_errors(401, 404, 503))
+def get_model(model: str, tenant: TenantDep, settings: SettingsDep) -> ModelObject:
+    for known in model_list(resolve_pool(None, settings)):
+        if known.id == model:
+            return known
+    raise OpenAIError(404, f"The model '{model}' does not exist", code="model_not_found", param="model")
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={**openai_errors(400, 401, 404, 413, 422, 429, 500, 503, 504), 200: STREAM_RESPONSE},
+)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    response: Response,
+    settings: SettingsDep,
+    tenant: BriefTenantDep,
+) -> Any:
+    """Runs the conversation as a job (the last user message is the task, earlier turns its context) and
+    answers with its result: model `conductor` plans with the pool's planner, `conductor/<planner>` with
+    that one. Extension: `conductor` (the job id, status, cost; on stream chunks, the step that changed)."""
+    if not body.stream:
+        return await _answer(body, response, settings, tenant)
+    slot = uuid.uuid4().hex  # a stream takes one of the tenant's stream slots, as job event streams do
+    await run_in_threadpool(open_stream, tenant, slot, settings)
+    try:
+        job_id = await run_in_threadpool(_submit, body, settings, tenant)
+    except BaseException:
+        await run_in_threadpool(close_stream, tenant, slot, settings)
+        raise
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(
+        _held(_stream(job_id, body.model, settings, include_usage=include_usage), tenant, slot, settings),
+        media_type="text/event-stream",
+        headers={JOB_HEADER: job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _answer(body: ChatCompletionRequest, response: Response, settings: Settings, tenant: str) -> ChatCompletion:
+    job_id = await run_in_threadpool(_submit, body, settings, tenant)
+    headers = {JOB_HEADER: job_id}
+    job = await _wait_for_end(job_id, settings)
+    if job is None or job.status != JobStatus.SUCCEEDED:
+        status, message, code = _not_answered(job_id, job, settings)
+        raise OpenAIError(status, message, code=code, headers={**headers, **NO_RETRY})
+    response.headers[JOB_HEADER] = job_id
+    return completion(job, body.model)
+
+
+def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str:
+    from conductor.tasks.send import enqueue_plan
+
+    with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
+        try:
+            made = chat_job(body, settings)
+            job, _ = create_job(session, made.body, tenant=tenant, settings=settings, context=made.context,
+                                admit=admission(tenant, settings))
+        except QuotaExceeded as exc:
+            raise OpenAIError(429, str(exc), code="rate_limit_exceeded", type="rate_limit_error",
+                              headers={"Retry-After": exc.retry_after}) from exc
+        except ChatRequestError as exc:
+            raise OpenAIError(exc.status, str(exc), code=exc.code, param=exc.param) from exc
+        except SubmissionError as exc:
+            if exc.title == "Unknown planner":
+                raise OpenAIError(404, f"The model '{body.model}' does not exist: {exc}", code="model_not_found",
+                                  param="model") from exc
+            raise
+        session.commit()  # durable before the message is sent; the reconciler sends it if this send fails
+    enqueue_plan(job.id)
+    return job.id
+
+
+def _load(job_id: str, database_url: str) -> tuple[Job, list[dict[str, Any]]]:
+    with Session(get_engine(database_url), expire_on_commit=False) as session:
+        job = store.get_job(session, job_id=job_id)
+        assert job is not None
+        steps = [{"index": st.index, "agent": st.agent, "status": st.status}
+                 for st in store.get_steps(session, job_id=job_id)]
+        return job, steps
+
+
+async def _wait_for_end(job_id: str, settings: Settings) -> Job | None:
+    """The ended job, or None once ``chat_max_wait_s`` has passed."""
+    started = time.monotonic()
+    deadline = started + settings.chat_max_wait_s
+    while True:
+        job, _ = await run_in_threadpool(_load, job_id, settings.database_url)
+        if job.status in JobStatus.TERMINAL:
+            return job
+        now = time.monotonic()
+        if now >= deadline:
+            return None
+        delay = min(max(POLL_MIN_S, (now - started) * POLL_FRACTION), POLL_MAX_S)
+        await asyncio.sleep(min(delay, deadline - now))
+
+
+def _not_answered(job_id: str, job: Job | None, settings: Settings) -> tuple[int, str, str]:
+    if job is None:
+        return (504, f"job {job_id} is still running after {settings.chat_max_wait_s:g}s; it goes on: "
+                f"GET /v1/jobs/{job_id} has its answer when it ends", "job_timeout")
+    reason = f"{job.error_type}: {job.error_message}" if job.error_type else job.status
+    if job.status == JobStatus.CANCELLED:
+        return 409, f"job {job_id} was cancelled", "job_cancelled"
+    return 500, f"job {job_id} failed ({reason})", "job_failed"
+
+
+async def _held(events: AsyncIterator[str], tenant: str, slot: str, settings: Settings) -> AsyncIterator[str]:
+    """The stream, holding its slot: refreshed while it runs, released when it ends or the client leaves."""
+    last_held = time.monotonic()
+    try:
+        async for event in events:
+            if time.monotonic() - last_held > HEARTBEAT_S:
+                last_held = time.monotonic()
+                await run_in_threadpool(refresh_stream, tenant, slot, settings)
+            yield event
+    finally:
+        close_stream(tenant, slot, settings)  # (a slot not released expires by itself)
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _stream(job_id: str, model: str, settings: Settings, *, include_usage: bool) -> AsyncIterator[str]:
+    """Chunks: the assistant role first; then, while the job runs, an empty-content chunk whose
+    ``conductor`` field names each job or step status change; the answer; ``finish_reason: stop``; the
+    usage (with ``stream_options.include_usage``); ``[DONE]``. A job that fails or outlasts the wait
+    ends the stream with an OpenAI error event instead of the answer."""
+    created = int(time.time())
+
+    def chunk(delta: Delta, job: Job, *, step: dict[str, Any] | None = None, finish: bool = False) -> str:
+        message = ChatCompletionChunk(
+            id=job_id, created=created, model=model,
+            choices=[ChunkChoice(delta=delta, finish_reason="stop" if finish else None)],
+            conductor=job_ref(job, step),
+        )
+        return _sse(_chunk_json(message))
+
+    deadline = time.monotonic() + settings.chat_max_wait_s
+    seen: dict[str, str] = {}
+    last_sent = time.monotonic()
+    job, steps = await run_in_threadpool(_load, job_id, settings.database_url)
+    yield chunk(Delta(role="assistant", content=""), job)
+    seen["job"] = job.status
+    while True:
+        job, steps = await run_in_threadpool(_load, job_id, settings.database_url)
+        for st in steps:
+            key = f"step:{st['index']}"
+            if seen.get(key) != st["status"]:
+                seen[key] = st["status"]
+                last_sent = time.monotonic()
+                yield chunk(Delta(content=""), job, step=st)
+        if job.status in JobStatus.TERMINAL:
+            break
+        if seen["job"] != job.status:
+            seen["job"] = job.status
+            last_sent = time.monotonic()
+            yield chunk(Delta(content=""), job)
+        if time.monotonic() >= deadline:
+            break
+        if time.monotonic() - last_sent > HEARTBEAT_S:
+            last_sent = time.monotonic()
+            yield ": keep-alive\n\n"
+        await asyncio.sleep(STREAM_POLL_S)
+    if job.status == JobStatus.SUCCEEDED:
+        yield chunk(Delta(content=job.answer or ""), job)
+        yield chunk(Delta(), job, finish=True)
+        if include_usage:
+            final = ChatCompletionChunk(id=job_id, created=created, model=model, choices=[], usage=usage(job),
+                                        conductor=job_ref(job))
+            yield _sse(_chunk_json(final))
+    else:
+        status, message, code = _not_answered(job_id, job if job.status in JobStatus.TERMINAL else None, settings)
+        yield _sse(error_body(status, message, code=code))
+    yield _sse("[DONE]")
+
+
+def _chunk_json(chunk: ChatCompletionChunk) -> dict[str, Any]:
+    """As OpenAI sends chunks: a delta carries only the fields it sets; ``usage`` only on the usage chunk."""
+    payload = chunk.model_dump(mode="json")
+    for choice in payload["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if payload["usage"] is None:
+        del payload["usage"]
+    return payload

@@ -1,0 +1,183 @@
+"""The trace viewer: server-rendered HTML and SVG, no scripts.
+
+``/ui/jobs`` lists the tenant's jobs (with status filters); ``/ui/jobs/{id}`` shows one: the workflow
+as a graph, a timeline of steps and attempts, tokens and cost per step, the exact messages each worker
+saw, and recursive steps' child jobs nested. Same auth as the API: an ``Authorization: Bearer`` header,
+or for a browser the key posted once to ``/ui/login`` and kept in an HttpOnly, SameSite=Strict cookie
+scoped to ``/ui`` (a form post, so the key never appears in a URL or an access log). Every value from
+a user or a model is escaped by the templates (Jinja autoescape) and the pages forbid scripts (CSP).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Form, Header, Query, Request, Response
+from fastapi.responses import HTMLResponse, RedirectResponse
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from sqlmodel import Session
+
+from conductor.service.deps import JOB_ID_RE, SessionDep, SettingsDep, resolve_tenant
+from conductor.service.problems import Problem, problem_response, problems
+from conductor.service.trace_page import job_section
+from conductor.settings import Settings
+from conductor.store import jobs as store
+from conductor.store.models import JobStatus, utcnow
+
+router = APIRouter(prefix="/ui", include_in_schema=True, tags=["ui"])
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+COOKIE = "conductor_key"
+COOKIE_MAX_AGE_S = 8 * 3600
+MAX_KEY_CHARS = 256
+MAX_LIST_LIMIT = 200
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+       "frame-ancestors 'none'; base-uri 'none'")
+
+
+def _responses(*statuses: int, ok: int = 200) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI: an HTML page, and for each error status problem+json or (for a browser) an HTML page."""
+    out = problems(*statuses)
+    for status in statuses:
+        out[status]["content"] = {**out[status]["content"], "text/html": {}}
+    out[ok] = {"content": {"text/html": {}}, "description": "an HTML page"}
+    return out
+
+
+_env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True, undefined=StrictUndefined)
+
+
+def _page(template: str, http_status: int = 200, **context: object) -> HTMLResponse:
+    body = _env.get_template(template).render(tenant=context.pop("tenant", None), **context)
+    return HTMLResponse(body, status_code=http_status, headers=_SECURITY_HEADERS)
+
+
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",  # pages hold a tenant's prompts and answers
+}
+
+
+def _wants_html(request: Request) -> bool:
+    return "text/html" in request.headers.get("accept", "")
+
+
+def _error(request: Request, status: int, title: str, detail: str, tenant: str | None) -> Response:
+    """An HTML page for a browser; problem+json (RFC 9457) for any other client."""
+    if _wants_html(request):
+        return _page("error.html", status, title=title, detail=detail, tenant=tenant)
+    return problem_response(status, title, detail)
+
+
+def _tenant(request: Request, session: Session, settings: Settings, authorization: str | None) -> str | None:
+    """The caller's tenant from the Authorization header, else from the login cookie; None when the
+    caller sent neither. A header with a bad key is a 401 problem, as on the API."""
+    if authorization:
+        return resolve_tenant(session, settings, authorization)
+    if not settings.auth_required:
+        return resolve_tenant(session, settings, None)
+    key = request.cookies.get(COOKIE)
+    if not key:
+        return None
+    try:
+        return resolve_tenant(session, settings, f"Bearer {key}")
+    except Problem:
+        return None  # a revoked or stale cookie: sign in again
+
+
+def _to_login(request: Request) -> Response:
+    if not _wants_html(request):
+        raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <key>', or sign in at /ui/login",
+                      headers={"WWW-Authenticate": "Bearer"})
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    login = _page("login.html", 401, next=_safe_next(target), error=None, max_key=MAX_KEY_CHARS)
+    return login
+
+
+def _safe_next(target: str) -> str:
+    """Only a path inside the viewer: never an absolute or protocol-relative URL (open redirect)."""
+    return target if target.startswith("/ui/") and not target.startswith("//") and "\\" not in target else "/ui/jobs"
+
+
+AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
+
+
+@router.get("", include_in_schema=False)
+def ui_root() -> RedirectResponse:
+    return RedirectResponse("/ui/jobs", status_code=303)
+
+
+@router.get("/viewer.css", include_in_schema=False)
+def stylesheet() -> Response:
+    return Response((TEMPLATES / "viewer.css").read_bytes(), media_type="text/css",
+                    headers={"Cache-Control": "max-age=300", "X-Content-Type-Options": "nosniff"})
+
+
+@router.get("/login", response_class=HTMLResponse, responses=_responses(422))
+def login_form(next: Annotated[str, Query(max_length=2048)] = "/ui/jobs") -> HTMLResponse:
+    return _page("login.html", next=_safe_next(next), error=None, max_key=MAX_KEY_CHARS)
+
+
+@router.post("/login", response_class=HTMLResponse,
+             responses={**_responses(401, 413, 422), 303: {"description": "signed in"}})
+def login(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    key: Annotated[str, Form(min_length=1, max_length=MAX_KEY_CHARS)],
+    next: Annotated[str, Form(max_length=2048)] = "/ui/jobs",
+) -> Response:
+    try:
+        resolve_tenant(session, settings, f"Bearer {key.strip()}")
+    except Problem:
+        return _page("login.html", 401, next=_safe_next(next), error="Unknown or revoked API key.",
+                     max_key=MAX_KEY_CHARS)
+    response = RedirectResponse(_safe_next(next), status_code=303)
+    response.set_cookie(COOKIE, key.strip(), max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https")
+    return response
+
+
+@router.post("/logout", response_class=RedirectResponse, responses={303: {"description": "signed out"}})
+def logout() -> RedirectResponse:
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/ui")
+    return response
+
+
+@router.get("/jobs", response_class=HTMLResponse, responses=_responses(401, 422, 503))
+def jobs_page(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    status: Annotated[JobStatus | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 100,
+    authorization: AuthHeader = None,
+) -> Response:
+    tenant = _tenant(request, session, settings, authorization)
+    if tenant is None:
+        return _to_login(request)
+    jobs = store.list_jobs(session, tenant=tenant, where=store.JobFilter(statuses=(status,) if status else ()),
+                           limit=limit)
+    return _page("jobs.html", jobs=jobs, status=status.value if status else None,
+                 statuses=[s.value for s in JobStatus], tenant=tenant)
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse, responses=_responses(401, 404, 503))
+def job_page(
+    job_id: str,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    authorization: AuthHeader = None,
+) -> Response:
+    tenant = _tenant(request, session, settings, authorization)
+    if tenant is None:
+        return _to_login(request)
+    job = store.get_job(session, job_id=job_id, tenant=tenant) if JOB_ID_RE.fullmatch(job_id) else None
+    if job is None:
+        shown = job_id if JOB_ID_RE.fullmatch(job_id) else "(malformed id)"
+        return _error(request, 404, "Job not found", f"no job {shown} for this API key", tenant)
+    return _page("job.html", section=job_section(session, job, now=utcnow()), tenant=tenant)

@@ -1,0 +1,143 @@
+"""Data access for files, batches and their lines. Every read takes the tenant, so another tenant's file
+or batch is simply not found; the one state change (a batch ending) is a conditional update."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlmodel import Session, col, select
+
+from conductor.store.models import Batch, BatchRequest, BatchStatus, Job, JobStatus, StoredFile
+
+
+def insert_file(session: Session, *, file: StoredFile) -> StoredFile:
+    session.add(file)
+    session.flush()
+    return file
+
+
+def get_file(session: Session, *, file_id: str, tenant: str) -> StoredFile | None:
+    return session.exec(select(StoredFile).where(StoredFile.id == file_id, StoredFile.tenant == tenant)).first()
+
+
+def list_files(
+    session: Session, *, tenant: str, purpose: str | None, after: str | None, limit: int, newest_first: bool = True
+) -> list[StoredFile]:
+    """``after`` is the id of the last file of the previous page (a cursor)."""
+    stmt = select(StoredFile).where(StoredFile.tenant == tenant)
+    if purpose is not None:
+        stmt = stmt.where(StoredFile.purpose == purpose)
+    if after is not None:
+        cursor = get_file(session, file_id=after, tenant=tenant)
+        if cursor is None:
+            return []
+        before = sa.or_(
+            col(StoredFile.created_at) < cursor.created_at,
+            sa.and_(col(StoredFile.created_at) == cursor.created_at, col(StoredFile.id) < cursor.id),
+        )
+        later = sa.or_(
+            col(StoredFile.created_at) > cursor.created_at,
+            sa.and_(col(StoredFile.created_at) == cursor.created_at, col(StoredFile.id) > cursor.id),
+        )
+        stmt = stmt.where(before if newest_first else later)
+    order = [col(StoredFile.created_at), col(StoredFile.id)]
+    stmt = stmt.order_by(*(c.desc() for c in order)) if newest_first else stmt.order_by(*order)
+    return list(session.exec(stmt.limit(limit)))
+
+
+def insert_batch(session: Session, *, batch: Batch) -> Batch:
+    session.add(batch)
+    session.flush()
+    return batch
+
+
+def insert_request(session: Session, *, request: BatchRequest) -> None:
+    """Added to the session; written with the next flush (one round trip for many lines)."""
+    session.add(request)
+
+
+def get_batch(session: Session, *, batch_id: str, tenant: str | None = None) -> Batch | None:
+    stmt = select(Batch).where(Batch.id == batch_id)
+    if tenant is not None:
+        stmt = stmt.where(Batch.tenant == tenant)
+    return session.exec(stmt).first()
+
+
+def list_batches(session: Session, *, tenant: str, after: str | None, limit: int) -> list[Batch]:
+    """Newest first; ``after`` is the id of the last batch of the previous page (a cursor)."""
+    stmt = select(Batch).where(Batch.tenant == tenant)
+    if after is not None:
+        cursor = get_batch(session, batch_id=after, tenant=tenant)
+        if cursor is None:
+            return []
+        stmt = stmt.where(
+            sa.or_(
+                col(Batch.created_at) < cursor.created_at,
+                sa.and_(col(Batch.created_at) == cursor.created_at, col(Batch.id) < cursor.id),
+            )
+        )
+    return list(session.exec(stmt.order_by(col(Batch.created_at).desc(), col(Batch.id).desc()).limit(limit)))
+
+
+def open_batch_ids(session: Session, *, limit: int = 200) -> list[str]:
+    stmt = select(Batch.id).where(col(Batch.status).in_(list(BatchStatus.OPEN))).order_by(col(Batch.created_at))
+    return list(session.exec(stmt.limit(limit)))
+
+
+@dataclass(frozen=True)
+class Counts:
+    total: int
+    completed: int
+    failed: int
+    unfinished: int
+
+
+def batch_counts(session: Session, *, batch_id: str) -> Counts:
+    """Lines whose job succeeded (completed), lines that failed (refused, or their job failed or was
+    cancelled), and lines whose job has not ended yet."""
+    rows = session.execute(
+        sa.select(col(Job.status), sa.func.count())
+        .select_from(BatchRequest)
+        .join(Job, col(Job.id) == col(BatchRequest.job_id), isouter=True)
+        .where(col(BatchRequest.batch_id) == batch_id)
+        .group_by(col(Job.status))
+    ).all()
+    by_status: dict[str | None, int] = {status: int(n) for status, n in rows}
+    total = sum(by_status.values())
+    completed = by_status.get(JobStatus.SUCCEEDED, 0)
+    failed = by_status.get(None, 0) + by_status.get(JobStatus.FAILED, 0) + by_status.get(JobStatus.CANCELLED, 0)
+    return Counts(total=total, completed=completed, failed=failed, unfinished=total - completed - failed)
+
+
+def batch_lines(session: Session, *, batch_id: str) -> list[tuple[BatchRequest, Job | None]]:
+    stmt = (
+        select(BatchRequest, Job)
+        .join(Job, col(Job.id) == col(BatchRequest.job_id), isouter=True)
+        .where(BatchRequest.batch_id == batch_id)
+        .order_by(col(BatchRequest.line))
+    )
+    return [(request, job) for request, job in session.exec(stmt)]
+
+
+def unfinished_job_ids(session: Session, *, batch_id: str) -> list[str]:
+    stmt = select(Job.id).where(Job.batch_id == batch_id, col(Job.status).not_in(list(JobStatus.TERMINAL)))
+    return list(session.exec(stmt))
+
+
+def transition_batch(session: Session, *, batch_id: str, from_: Collection[str], to: str, **values: Any) -> bool:
+    """Moves a batch to ``to`` only from one of ``from_``; returns whether this caller won."""
+    result = session.execute(
+        sa.update(Batch)
+        .where(col(Batch.id) == batch_id, col(Batch.status).in_(list(from_)))
+        .values(status=to, **values)
+    )
+    return int(getattr(result, "rowcount", 0) or 0) == 1
+
+
+def expired_open_batch_ids(session: Session, *, now: datetime) -> list[str]:
+    stmt = select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS, col(Batch.expires_at) < now)
+    return list(session.exec(stmt.limit(200)))

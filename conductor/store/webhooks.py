@@ -1,0 +1,314 @@
+"""Data access for webhooks: tenant settings (default URL, signing secret), the delivery outbox, every
+attempt, and endpoints disabled by a 410. Claims are conditional updates, so a duplicated message never
+sends a second attempt while one is in flight."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlmodel import Session, col, select
+
+from conductor.store.models import (
+    DeliveryStatus,
+    Job,
+    JobStatus,
+    TenantSettings,
+    UTCDateTime,
+    WebhookAttempt,
+    WebhookDelivery,
+    WebhookEndpoint,
+    utcnow,
+)
+
+EVENT_TYPES: dict[str, str] = {
+    JobStatus.SUCCEEDED: "job.succeeded",
+    JobStatus.FAILED: "job.failed",
+    JobStatus.CANCELLED: "job.cancelled",
+}
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+# --- tenant settings ------------------------------------------------------------------------------
+
+
+def get_tenant_settings(session: Session, *, tenant: str) -> TenantSettings | None:
+    return session.get(TenantSettings, tenant)
+
+
+def _tenant_row(session: Session, tenant: str) -> TenantSettings:
+    row = session.get(TenantSettings, tenant)
+    if row is None:
+        row = TenantSettings(tenant=tenant)
+        session.add(row)
+    return row
+
+
+def set_default_webhook_url(session: Session, *, tenant: str, url: str | None) -> None:
+    row = _tenant_row(session, tenant)
+    row.webhook_url = url
+    row.updated_at = utcnow()
+    session.flush()
+
+
+def default_webhook_url(session: Session, *, tenant: str) -> str | None:
+    row = session.get(TenantSettings, tenant)
+    return row.webhook_url if row else None
+
+
+def set_webhook_secret(session: Session, *, tenant: str, secret: str) -> None:
+    row = _tenant_row(session, tenant)
+    row.webhook_secret = secret
+    row.secret_created_at = row.updated_at = utcnow()
+    session.flush()
+
+
+def webhook_secret(session: Session, *, tenant: str) -> str | None:
+    row = session.get(TenantSettings, tenant)
+    return row.webhook_secret if row else None
+
+
+# --- endpoints disabled by 410 --------------------------------------------------------------------
+
+
+def url_hash(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()
+
+
+def disable_endpoint(session: Session, *, tenant: str, url: str, reason: str) -> None:
+    row = session.get(WebhookEndpoint, (tenant, url_hash(url)))
+    if row is None:
+        row = WebhookEndpoint(tenant=tenant, url_hash=url_hash(url), url=url)
+    row.disabled_at, row.disabled_reason = utcnow(), reason
+    session.add(row)
+    session.flush()
+
+
+def endpoint_disabled(session: Session, *, tenant: str, url: str) -> WebhookEndpoint | None:
+    row = session.get(WebhookEndpoint, (tenant, url_hash(url)))
+    return row if row is not None and row.disabled_at is not None else None
+
+
+def enable_endpoint(session: Session, *, tenant: str, url: str) -> bool:
+    """Re-enables a URL disabled by a 410; returns whether it was disabled."""
+    row = endpoint_disabled(session, tenant=tenant, url=url)
+    if row is None:
+        return False
+    row.disabled_at = row.disabled_reason = None
+    session.add(row)
+    return True
+
+
+# --- the outbox -----------------------------------------------------------------------------------
+
+
+def record_job_end(session: Session, *, job_id: str) -> str | None:
+    """In the transaction that ended the job: writes the delivery its webhook is owed, if it has one
+    (top-level jobs with a URL; one per job). One statement, on the hot path of every job's end.
+    Returns the delivery id to send, or None."""
+    now = sa.literal(utcnow(), UTCDateTime())
+    event = sa.case(EVENT_TYPES, value=col(Job.status))
+    owed = sa.select(
+        sa.literal(new_message_id()), col(Job.id), col(Job.tenant), col(Job.webhook_url), event,
+        sa.literal(DeliveryStatus.PENDING.value), sa.literal(0), now, sa.literal(0), now,
+    ).where(
+        col(Job.id) == job_id,
+        col(Job.parent_job_id).is_(None),
+        col(Job.webhook_url).is_not(None),
+        col(Job.status).in_(list(EVENT_TYPES)),
+        ~sa.exists().where(col(WebhookDelivery.job_id) == col(Job.id)),
+    )
+    columns = ["id", "job_id", "tenant", "url", "event_type", "status", "attempts", "next_attempt_at", "resends",
+               "created_at"]
+    inserted = session.execute(
+        sa.insert(WebhookDelivery).from_select(columns, owed).returning(col(WebhookDelivery.id))
+    ).scalar_one_or_none()
+    return str(inserted) if inserted is not None else None
+
+
+def backfill_job_end(session: Session, *, job_id: str) -> str | None:
+    """``record_job_end`` for the reconciler, which may race another pass: the loser writes nothing."""
+    try:
+        with session.begin_nested():
+            return record_job_end(session, job_id=job_id)
+    except sa.exc.IntegrityError:
+        return None
+
+
+def get_delivery(session: Session, *, delivery_id: str) -> WebhookDelivery | None:
+    return session.get(WebhookDelivery, delivery_id)
+
+
+def deliveries_for_job(session: Session, *, job_id: str) -> list[WebhookDelivery]:
+    stmt = select(WebhookDelivery).where(WebhookDelivery.job_id == job_id).order_by(col(WebhookDelivery.created_at))
+    return list(session.exec(stmt))
+
+
+def attempts_for(session: Session, *, delivery_ids: Sequence[str]) -> list[WebhookAttempt]:
+    if not delivery_ids:
+        return []
+    stmt = select(WebhookAttempt).where(col(WebhookAttempt.delivery_id).in_(delivery_ids)).order_by(
+        col(WebhookAttempt.delivery_id), col(WebhookAttempt.n)
+    )
+    return list(session.exec(stmt))
+
+
+def pending_unsent(session: Session, *, job_id: str) -> list[str]:
+    stmt = select(WebhookDelivery.id).where(
+        WebhookDelivery.job_id == job_id,
+        WebhookDelivery.status == DeliveryStatus.PENDING,
+        col(WebhookDelivery.sent_at).is_(None),
+    )
+    return list(session.exec(stmt))
+
+
+def mark_sent(session: Session, *, delivery_ids: Sequence[str], due_at: datetime) -> None:
+    if delivery_ids:
+        session.execute(
+            sa.update(WebhookDelivery).where(col(WebhookDelivery.id).in_(list(delivery_ids))).values(sent_at=due_at)
+        )
+
+
+CLAIM_EARLY_S = 1.0
+"""A message may run this much before its attempt is due (the countdown and the row's clock differ)."""
+
+
+def claim_delivery(session: Session, *, delivery_id: str, lease_s: float) -> WebhookDelivery | None:
+    """Takes the next attempt if it is due and none is in flight; returns the row, or None."""
+    now = utcnow()
+    stmt = (
+        sa.update(WebhookDelivery)
+        .where(
+            col(WebhookDelivery.id) == delivery_id,
+            col(WebhookDelivery.status) == DeliveryStatus.PENDING,
+            col(WebhookDelivery.next_attempt_at) <= now + timedelta(seconds=CLAIM_EARLY_S),
+            sa.or_(col(WebhookDelivery.lease_expires_at).is_(None), col(WebhookDelivery.lease_expires_at) < now),
+        )
+        .values(lease_expires_at=now + timedelta(seconds=lease_s), attempts=col(WebhookDelivery.attempts) + 1)
+    )
+    if _rowcount(session.execute(stmt)) != 1:
+        return None
+    row = session.get(WebhookDelivery, delivery_id)
+    if row is not None:
+        session.refresh(row)
+    return row
+
+
+def freeze_payload(session: Session, *, delivery_id: str, payload: str) -> None:
+    session.execute(
+        sa.update(WebhookDelivery)
+        .where(col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.payload).is_(None))
+        .values(payload=payload)
+    )
+
+
+def frozen_payload(session: Session, *, delivery_id: str) -> str | None:
+    return session.execute(
+        sa.select(col(WebhookDelivery.payload)).where(col(WebhookDelivery.id) == delivery_id)
+    ).scalar_one_or_none()
+
+
+def record_attempt(
+    session: Session,
+    *,
+    delivery_id: str,
+    n: int,
+    started_at: datetime,
+    status_code: int | None,
+    latency_ms: int | None,
+    error: str | None,
+) -> None:
+    session.add(WebhookAttempt(delivery_id=delivery_id, n=n, started_at=started_at, finished_at=utcnow(),
+                               status_code=status_code, latency_ms=latency_ms, error=error))
+    session.flush()
+
+
+def finish_delivery(session: Session, *, delivery_id: str, status: str) -> None:
+    session.execute(
+        sa.update(WebhookDelivery)
+        .where(col(WebhookDelivery.id) == delivery_id)
+        .values(status=status, finished_at=utcnow(), lease_expires_at=None)
+    )
+
+
+def schedule_retry(session: Session, *, delivery_id: str, at: datetime) -> None:
+    session.execute(
+        sa.update(WebhookDelivery)
+        .where(col(WebhookDelivery.id) == delivery_id)
+        .values(next_attempt_at=at, lease_expires_at=None, sent_at=None, resends=0)
+    )
+
+
+# --- what the reconciler looks for ----------------------------------------------------------------
+
+
+def deliveries_due(session: Session, *, now: datetime, grace_s: float, limit: int = 500) -> list[WebhookDelivery]:
+    """Pending deliveries whose attempt is due, none in flight: either no message was sent for it (lost
+    before the send, or a long backoff the reconciler owns) or the message sent may have been lost."""
+    stmt = select(WebhookDelivery).where(
+        WebhookDelivery.status == DeliveryStatus.PENDING,
+        col(WebhookDelivery.next_attempt_at) <= now - timedelta(seconds=grace_s),
+        sa.or_(col(WebhookDelivery.lease_expires_at).is_(None), col(WebhookDelivery.lease_expires_at) < now),
+    )
+    return list(session.exec(stmt.order_by(col(WebhookDelivery.next_attempt_at)).limit(limit)))
+
+
+def note_resend(session: Session, *, delivery_id: str, resends: int, sent_at: datetime) -> None:
+    session.execute(
+        sa.update(WebhookDelivery).where(col(WebhookDelivery.id) == delivery_id).values(
+            resends=resends, sent_at=sent_at
+        )
+    )
+
+
+def ended_jobs_without_delivery(session: Session, *, since: datetime, limit: int = 100) -> list[str]:
+    """Top-level jobs that ended with a webhook URL but have no delivery row (a path that ended them
+    without writing one): the reconciler writes it, so an ended job's webhook is never silently lost."""
+    owed = (
+        select(Job.id)
+        .where(
+            col(Job.status).in_(list(EVENT_TYPES)),
+            col(Job.webhook_url).is_not(None),
+            col(Job.parent_job_id).is_(None),
+            col(Job.updated_at) >= since,  # (status, updated_at) is indexed; a job's end sets both
+            col(Job.finished_at) >= since,
+            ~sa.exists().where(col(WebhookDelivery.job_id) == col(Job.id)),
+        )
+        .limit(limit)
+    )
+    return list(session.exec(owed))
+
+
+def ensure_webhook_secret(session: Session, *, tenant: str, new: str) -> str:
+    """The tenant's secret, storing ``new`` first if it has none; two concurrent callers get the same one."""
+    now = utcnow()
+    session.execute(
+        sa.update(TenantSettings)
+        .where(col(TenantSettings.tenant) == tenant, col(TenantSettings.webhook_secret).is_(None))
+        .values(webhook_secret=new, secret_created_at=now, updated_at=now)
+    )
+    current = session.execute(
+        sa.select(col(TenantSettings.webhook_secret)).where(col(TenantSettings.tenant) == tenant)
+    ).first()
+    if current is None:
+        try:
+            with session.begin_nested():
+                session.add(TenantSettings(tenant=tenant, webhook_secret=new, secret_created_at=now))
+        except sa.exc.IntegrityError:
+            pass
+        current = session.execute(
+            sa.select(col(TenantSettings.webhook_secret)).where(col(TenantSettings.tenant) == tenant)
+        ).first()
+    assert current is not None and current[0] is not None
+    return str(current[0])
+
+
+def _rowcount(result: Any) -> int:
+    return int(getattr(result, "rowcount", 0) or 0)

@@ -1,0 +1,32 @@
+"""The webhook delivery task (queue ``webhooks``): one attempt per message; the engine's outbox row and
+the reconciler make sure an ended job's webhook is sent even when a message is lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Task
+
+from conductor.settings import get_settings
+from conductor.store.models import Job, Step
+from conductor.tasks.app import DELIVER_WEBHOOK_TASK, app
+from conductor.tasks.send import schedule_webhook_retry
+from conductor.webhooks.deliver import deliver
+
+
+def job_payload(job: Job, steps: list[Step]) -> dict[str, Any]:
+    """A webhook's ``data``: the job exactly as ``GET /v1/jobs/{id}`` shows it. That shape is defined once,
+    with the API's response models (pure pydantic, no FastAPI) — the one place tasks read from service."""
+    from conductor.service.views import job_view
+
+    return job_view(job, steps).model_dump(mode="json")
+
+
+@app.task(name=DELIVER_WEBHOOK_TASK, bind=True)
+def deliver_webhook(self: Task, delivery_id: str) -> None:
+    outcome = deliver(delivery_id, settings=get_settings(), render=job_payload)
+    if outcome.retry_in is not None:
+        schedule_webhook_retry(delivery_id, outcome.retry_in)
+
+
+__all__ = ["deliver_webhook"]

@@ -1,0 +1,1 @@
+"""Webhooks (Standard Webhooks): signing, the SSRF rules for targets, and delivering one attempt."""

@@ -1,0 +1,174 @@
+"""One delivery attempt: claim it, sign the frozen body, check the target (SSRF) after resolving it,
+POST to the address that was checked, record the attempt, and decide what comes next.
+
+Every attempt of one delivery carries the same ``webhook-id`` and the same body (frozen at the first
+attempt); each is signed with a fresh ``webhook-timestamp``. A 2xx delivers; a 410 disables the URL for
+the tenant (this delivery and every later one to it are recorded, not sent); anything else is retried
+after ``webhook_backoff_s[n-1]`` — or the receiver's ``Retry-After`` when that is longer — until the
+schedule is spent. Nothing here runs on a step worker: the task lives on the ``webhooks`` queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import httpx
+from sqlmodel import Session
+
+from conductor.settings import Settings
+from conductor.store import jobs as job_store
+from conductor.store import webhooks as store
+from conductor.store.db import session_scope
+from conductor.store.models import DeliveryStatus, Job, Step, WebhookDelivery, utcnow
+from conductor.webhooks.signing import headers as signed_headers
+from conductor.webhooks.signing import new_secret
+from conductor.webhooks.targets import Target, Unresolvable, UnsafeTarget, resolve
+
+log = logging.getLogger(__name__)
+USER_AGENT = "conductor-queue-webhooks/0.1"
+LEASE_MARGIN_S = 30.0
+"""An attempt holds its claim for the request timeout plus this; a worker that died mid-attempt is
+re-driven by the reconciler after it."""
+MAX_ERROR_CHARS = 500
+
+RenderJob = Callable[[Job, list[Step]], dict[str, Any]]
+"""The job's public shape (``GET /v1/jobs/{id}``), which the API defines: the task layer passes it in."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    retry_in: float | None = None
+    """Seconds until the next attempt is due; None when the delivery is settled (or was not ours)."""
+
+
+@dataclass(frozen=True)
+class _Answer:
+    status_code: int | None
+    retry_after: float | None
+    error: str | None
+
+
+def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outcome:
+    """Makes the attempt that is due now; a duplicate message (none due, or one in flight) does nothing."""
+    with session_scope() as s:
+        row = store.claim_delivery(s, delivery_id=delivery_id, lease_s=settings.webhook_timeout_s + LEASE_MARGIN_S)
+        if row is None:
+            return Outcome()
+        disabled = store.endpoint_disabled(s, tenant=row.tenant, url=row.url)
+        if disabled is not None:
+            store.record_attempt(
+                s, delivery_id=row.id, n=row.attempts, started_at=utcnow(), status_code=None, latency_ms=None,
+                error=f"not sent: this URL answered 410 Gone at {disabled.disabled_at} and is disabled "
+                      "for the tenant ('conductor webhooks enable' re-enables it)",
+            )
+            store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.DISABLED)
+            return Outcome()
+        body = row.payload or _freeze_payload(s, row, render)
+        secret = store.ensure_webhook_secret(s, tenant=row.tenant, new=new_secret())
+    started = utcnow()
+    clock = time.monotonic()
+    try:
+        target = resolve(row.url, allow_loopback=settings.webhook_allow_loopback)
+    except UnsafeTarget as exc:
+        return _settle(row, started, _Answer(None, None, str(exc)), settings, refused=True)
+    except Unresolvable as exc:
+        return _settle(row, started, _Answer(None, None, str(exc)), settings)
+    timestamp = int(time.time())
+    answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode()), body.encode(),
+                   timeout=settings.webhook_timeout_s)
+    latency_ms = int((time.monotonic() - clock) * 1000)
+    return _settle(row, started, answer, settings, latency_ms=latency_ms)
+
+
+def event_body(event_type: str, data: dict[str, Any], timestamp: datetime | None) -> str:
+    envelope = {"type": event_type, "timestamp": (timestamp or utcnow()).isoformat(), "data": data}
+    return json.dumps(envelope, separators=(",", ":"))
+
+
+def _freeze_payload(s: Session, row: WebhookDelivery, render: RenderJob) -> str:
+    """The body of every attempt: the job as ``GET /v1/jobs/{id}`` shows it when the first attempt runs."""
+    job = job_store.get_job(s, job_id=row.job_id)
+    assert job is not None
+    body = event_body(row.event_type, render(job, job_store.get_steps(s, job_id=job.id)), job.finished_at)
+    store.freeze_payload(s, delivery_id=row.id, payload=body)
+    return store.frozen_payload(s, delivery_id=row.id) or body
+
+
+def _post(url: str, target: Target, headers: dict[str, str], body: bytes, *, timeout: float) -> _Answer:
+    """POSTs to the checked address itself; the Host header and the TLS server name stay the URL's host,
+    so certificates are verified against the name. No redirects, no proxies from the environment."""
+    original = httpx.URL(url)
+    pinned = original.copy_with(host=str(target.address))
+    extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+    request_headers = {
+        **headers,
+        "Host": original.netloc.decode("ascii"),
+        "Content-Type": "application/json",
+        "User-Agent": USER_AGENT,
+    }
+    try:
+        with (
+            httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client,
+            client.stream("POST", pinned, headers=request_headers, content=body, extensions=extensions) as response,
+        ):
+            code = response.status_code
+            retry_after = _retry_after(response.headers.get("retry-after"))
+    except httpx.HTTPError as exc:
+        return _Answer(None, None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS] or type(exc).__name__)
+    error = None if 200 <= code < 300 else f"HTTP {code}"
+    return _Answer(code, retry_after, error)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - utcnow()).total_seconds())
+
+
+def _settle(
+    row: WebhookDelivery,
+    started: datetime,
+    answer: _Answer,
+    settings: Settings,
+    *,
+    latency_ms: int | None = None,
+    refused: bool = False,
+) -> Outcome:
+    n = row.attempts
+    retry_in: float | None = None
+    with session_scope() as s:
+        store.record_attempt(s, delivery_id=row.id, n=n, started_at=started, status_code=answer.status_code,
+                             latency_ms=latency_ms, error=answer.error)
+        if answer.status_code is not None and 200 <= answer.status_code < 300:
+            store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.DELIVERED)
+        elif answer.status_code == 410:
+            store.disable_endpoint(s, tenant=row.tenant, url=row.url,
+                                   reason=f"answered 410 Gone to delivery {row.id} (job {row.job_id})")
+            store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.DISABLED)
+        elif refused or n > len(settings.webhook_backoff_s):
+            store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.FAILED)
+        else:
+            retry_in = settings.webhook_backoff_s[n - 1]
+            if answer.retry_after is not None:
+                retry_in = max(retry_in, min(answer.retry_after, settings.webhook_retry_after_max_s))
+            store.schedule_retry(s, delivery_id=row.id, at=utcnow() + timedelta(seconds=retry_in))
+    log.info("webhook %s (job %s) attempt %s: %s", row.id, row.job_id, n,
+             answer.error or f"HTTP {answer.status_code}")
+    return Outcome(retry_in=retry_in)

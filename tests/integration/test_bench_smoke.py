@@ -1,0 +1,44 @@
+"""Every benchmark runs for seconds (``--quick``) and writes well-formed JSON and a markdown table.
+Only the shape of the output is checked: timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import ROOT
+
+NAMES = ["overhead", "throughput", "makespan", "concurrency", "api", "tokens"]
+EXPECTED_KEYS = {
+    "overhead": {"conductor", "asyncio", "celery", "langgraph"},
+    "throughput": {"steps_per_s", "jobs_per_s", "window_s", "failed"},
+    "makespan": {"shapes", "latency_ms"},
+    "concurrency": {"peak_in_flight", "wall_s", "peak_rss_bytes", "succeeded"},
+    "api": {"latency", "accepted", "errors", "achieved_rate"},
+    "tokens": {"workflows", "encoder"},
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "CONDUCTOR_BENCH_BROKER_URL": os.environ.get("CONDUCTOR_TEST_BENCH_BROKER", "redis://127.0.0.1:6379/3")}
+    done = subprocess.run([sys.executable, "-m", "bench", name, "--quick", "--json-dir", str(tmp_path),
+                           "--docs", str(docs)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["name"] == name and data["command"].startswith(f"python -m bench {name}")
+    assert {"cpu", "cores", "python", "postgres"} <= set(data["machine"])
+    assert EXPECTED_KEYS[name] <= set(data), sorted(data)
+    text = docs.read_text()
+    section = text[text.index(f"<!-- bench:{name} -->"):text.index(f"<!-- /bench:{name} -->")]
+    assert f"python -m bench {name}" in section and "\n|---|" in section
+    if name in ("throughput", "concurrency", "makespan"):
+        assert data.get("failed", 0) == 0 and data.get("succeeded", 1) > 0

@@ -1,0 +1,253 @@
+"""Batches through the official ``openai`` client, unchanged: files.create -> batches.create ->
+batches.retrieve -> files.content, with real jobs on the Celery workers (sim pool). Bad lines fail alone,
+duplicate custom_ids are refused with their line, another tenant sees 404, cancel ends a batch, the
+reconciler ends a batch no one reads, and ``conductor submit --batch --wait`` writes the results file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import sqlalchemy as sa
+from sqlmodel import select
+
+from conductor.reconcile import reconcile_once
+from conductor.settings import get_settings
+from conductor.store.db import session_scope
+from conductor.store.models import Batch, Job, utcnow
+from tests.integration.conftest import new_key
+
+SIM_ANSWER = "[a] Solve the task and give the final answer."
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def key(api: str) -> str:
+    return new_key("tenant-batch")
+
+
+@pytest.fixture(scope="module")
+def oai(api: str, key: str, workers: Any) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def stranger(api: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("tenant-other"), max_retries=0) as client:
+        yield client
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def chat_line(custom_id: str, text: str) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "conductor", "messages": [{"role": "user", "content": text}]}}
+
+
+def job_line(custom_id: str, body: dict[str, Any], url: str = "/v1/jobs") -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 180) -> Any:
+    """Polls until the batch ends; the timeout only keeps a broken run from hanging."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in FINAL:
+            return batch
+        time.sleep(0.5)
+    raise AssertionError(f"batch {batch_id} did not end: {batch}")
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    assert file_id is not None
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_of_50_chat_completions(oai: openai.OpenAI, tmp_path: Path) -> None:
+    ids = [f"request-{n}" for n in range(50)]
+    uploaded = oai.files.create(file=("questions.jsonl", jsonl([chat_line(i, f"question {i}") for i in ids])),
+                                purpose="batch")
+    assert uploaded.object == "file" and uploaded.purpose == "batch" and uploaded.filename == "questions.jsonl"
+    assert oai.files.retrieve(uploaded.id).bytes == uploaded.bytes
+    created = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h", metadata={"run": "nightly"})
+    assert created.status == "in_progress" and created.request_counts is not None
+    assert created.request_counts.total == 50 and created.metadata == {"run": "nightly"}
+
+    batch = wait_batch(oai, created.id)
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (50, 0)
+    results = tmp_path / "results.jsonl"
+    oai.files.content(batch.output_file_id).write_to_file(results)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(lines) == 50 and [line["custom_id"] for line in lines] == ids
+    with session_scope() as s:
+        jobs = {j.id: j for j in s.exec(select(Job).where(Job.batch_id == created.id))}
+    assert len(jobs) == 50
+    for line in lines:
+        body = line["response"]["body"]
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == SIM_ANSWER
+        job = jobs[body["id"]]
+        assert job.status == "succeeded" and job.task == f"question {line['custom_id']}"
+        assert body["usage"]["prompt_tokens"] == job.input_tokens
+    assert created.id in [b.id for b in oai.batches.list(limit=100)]
+    listed = [f.id for f in oai.files.list(limit=1)]  # auto-paging: one file per request
+    assert {uploaded.id, batch.output_file_id} <= set(listed) and len(listed) == len(set(listed))
+    assert uploaded.id not in [f.id for f in oai.files.list(purpose="batch_output")]
+
+
+def test_bad_lines_fail_alone_and_land_in_the_error_file(oai: openai.OpenAI) -> None:
+    good = {"task": "fine", "workflow": {"model_ids": ["b"], "subtasks": ["do it"], "access_lists": [[]]},
+            "metadata": {"k": "v"}}
+    lines = [
+        job_line("good", good),
+        job_line("no-task", {"pool": "sim"}),
+        job_line("wrong-url", good, url="/v1/chat/completions"),
+        job_line("unknown-agent", {"task": "t", "workflow": {"model_ids": ["zz"], "subtasks": ["x"],
+                                                              "access_lists": [[]]}}),
+        job_line("refused-by-provider", {"task": "t", "workflow": {"model_ids": ["refuses"], "subtasks": ["x"],
+                                                                    "access_lists": [[]]}}),
+    ]
+    uploaded = oai.files.create(file=("mixed.jsonl", jsonl(lines)), purpose="batch")
+    batch = wait_batch(oai, oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs",
+                                               completion_window="24h").id)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 1, 4)
+    [ok] = lines_of(oai, batch.output_file_id)
+    assert ok["custom_id"] == "good" and ok["response"]["body"]["answer"] == "[b] do it"
+    assert ok["response"]["body"]["metadata"] == {"k": "v"}
+    errors = {e["custom_id"]: e for e in lines_of(oai, batch.error_file_id)}
+    assert list(errors) == ["no-task", "wrong-url", "unknown-agent", "refused-by-provider"]
+    assert errors["no-task"]["response"] is None and errors["no-task"]["error"]["message"].startswith("line 2:")
+    assert "task" in errors["no-task"]["error"]["message"]
+    assert errors["wrong-url"]["error"]["code"] == "invalid_url"
+    assert "line 4" in errors["unknown-agent"]["error"]["message"]
+    failed = errors["refused-by-provider"]
+    assert failed["error"]["code"] == "job_failed" and failed["response"]["status_code"] == 500
+
+
+def test_the_file_is_refused_whole_for_duplicates_and_malformed_lines(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as dup:
+        oai.files.create(file=("d.jsonl", jsonl([chat_line("a", "x"), chat_line("b", "y"), chat_line("a", "z")])),
+                         purpose="batch")
+    assert dup.value.code == "duplicate_custom_id" and "line 3" in dup.value.message
+    assert "first on line 1" in dup.value.message
+    with pytest.raises(openai.BadRequestError) as broken:
+        oai.files.create(file=("b.jsonl", b'{"custom_id": "a"}\nnot json\n'), purpose="batch")
+    assert broken.value.code == "invalid_json" and "line 2" in broken.value.message
+    with pytest.raises(openai.BadRequestError) as purpose:
+        oai.files.create(file=("p.jsonl", jsonl([chat_line("a", "x")])), purpose="fine-tune")
+    assert purpose.value.param == "purpose"
+    with pytest.raises(openai.BadRequestError):
+        oai.batches.create(input_file_id="file-" + "0" * 32, endpoint="/v1/embeddings",  # type: ignore[arg-type]
+                           completion_window="24h")
+
+
+def test_another_tenant_sees_404(oai: openai.OpenAI, stranger: openai.OpenAI) -> None:
+    uploaded = oai.files.create(file=("t.jsonl", jsonl([chat_line("only", "x")])), purpose="batch")
+    batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for attempt in (
+        lambda: stranger.files.retrieve(uploaded.id),
+        lambda: stranger.files.content(uploaded.id),
+        lambda: stranger.batches.retrieve(batch.id),
+        lambda: stranger.batches.cancel(batch.id),
+        lambda: stranger.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h"),
+    ):
+        with pytest.raises(openai.NotFoundError) as missing:
+            attempt()
+        assert missing.value.code == "not_found"
+    assert batch.id not in [b.id for b in stranger.batches.list()]
+    assert uploaded.id not in [f.id for f in stranger.files.list()]
+    ended = wait_batch(oai, batch.id)
+    with pytest.raises(openai.NotFoundError):
+        stranger.files.content(ended.output_file_id or "")
+
+
+def test_cancel_ends_the_batch_with_what_finished(oai: openai.OpenAI) -> None:
+    slow = {"task": "t", "workflow": {"model_ids": ["slow", "slow"], "subtasks": ["x", "y"], "access_lists": [[], [0]]}}
+    uploaded = oai.files.create(file=("c.jsonl", jsonl([job_line(f"s{n}", slow) for n in range(3)])), purpose="batch")
+    batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+    cancelled = oai.batches.cancel(batch.id)
+    assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
+    assert cancelled.request_counts is not None and cancelled.request_counts.failed == 3
+    errors = lines_of(oai, cancelled.error_file_id)
+    assert [e["custom_id"] for e in errors] == ["s0", "s1", "s2"]
+    assert {e["error"]["code"] for e in errors} == {"job_cancelled"}
+    with pytest.raises(openai.ConflictError):
+        oai.batches.cancel(batch.id)
+
+
+def test_the_reconciler_ends_a_batch_no_one_reads(api: str, key: str, workers: Any) -> None:
+    """No GET of the batch: the reconciler's pass writes its output once its job has ended."""
+    line = job_line("r", {"task": "t", "workflow": {"model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}})
+    with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        upload = c.post("/v1/files", data={"purpose": "batch"}, files={"file": ("r.jsonl", jsonl([line]))})
+        file_id = upload.json()["id"]
+        batch_id = c.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/jobs",
+                                               "completion_window": "24h"}).json()["id"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with session_scope() as s:
+            job = s.exec(select(Job).where(Job.batch_id == batch_id)).one()
+            batch = s.exec(select(Batch).where(Batch.id == batch_id)).one()
+        if job.status == "succeeded":
+            break
+        time.sleep(0.2)
+    assert batch.status == "in_progress" and batch.output_file_id is None  # nobody read it
+    report, _ = reconcile_once(get_settings())
+    assert report["batches_ended"] >= 1
+    with session_scope() as s:
+        batch = s.exec(select(Batch).where(Batch.id == batch_id)).one()
+    assert batch.status == "completed" and batch.output_file_id is not None and batch.completed_at is not None
+    with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        assert c.get(f"/v1/jobs/{job.id}").json()["batch_id"] == batch_id
+
+
+def test_the_reconciler_expires_a_batch_past_its_window(oai: openai.OpenAI) -> None:
+    slow = {"task": "t", "workflow": {"model_ids": ["slow", "slow"], "subtasks": ["x", "y"], "access_lists": [[], [0]]}}
+    uploaded = oai.files.create(file=("e.jsonl", jsonl([job_line("e0", slow), job_line("e1", slow)])),
+                                purpose="batch")
+    batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+    with session_scope() as s:  # its 24 hours are up
+        s.execute(sa.update(Batch).where(Batch.id == batch.id).values(expires_at=utcnow() - timedelta(seconds=1)))
+    report, _ = reconcile_once(get_settings())
+    assert report["batches_expired"] == 1
+    expired = oai.batches.retrieve(batch.id)
+    assert expired.status == "expired" and expired.expired_at is not None
+    assert expired.request_counts is not None and expired.request_counts.failed == 2
+    errors = lines_of(oai, expired.error_file_id)
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("e0", "batch_expired"), ("e1", "batch_expired")]
+
+
+def test_cli_submit_batch_wait_writes_the_results(proc_env: dict[str, str], api: str, key: str, workers: Any,
+                                                  tmp_path: Path) -> None:
+    source = tmp_path / "jobs.jsonl"
+    source.write_bytes(jsonl([chat_line(f"c{n}", f"q{n}") for n in range(5)] + [
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-5"}}]))
+    results = tmp_path / "out.jsonl"
+    env = {**proc_env, "CONDUCTOR_API_URL": api, "CONDUCTOR_API_KEY": key}
+    done = subprocess.run([sys.executable, "-m", "conductor.cli", "submit", "--batch", str(source), "--wait",
+                           "--output", str(results)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr  # one line failed: said on stderr, results still written
+    assert done.stdout.splitlines()[0].startswith("batch_")
+    assert "6/6 (1 failed) completed" in done.stderr and "1 of 6 requests failed" in done.stderr
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == [f"c{n}" for n in range(5)] + ["bad"]
+    assert all(line["response"]["body"]["choices"][0]["message"]["content"] == SIM_ANSWER for line in lines[:5])
+    assert lines[5]["error"]["code"] == "invalid_body"

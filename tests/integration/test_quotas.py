@@ -1,0 +1,155 @@
+"""Per-tenant quotas on a real API process (its own, with small quotas) and the shared workers: a
+tenant over a quota gets 429 problem+json with Retry-After while another tenant's jobs run normally.
+Also: an event stream ends when its key is revoked, and deeply nested JSON is a 422, not a 500."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from conductor.store.db import session_scope
+from conductor.store.keys import revoke_key
+from tests.integration.conftest import new_key
+from tests.integration.harness import Proc, start_api, wait_terminal
+
+SUBMITS_PER_MINUTE = 6  # one refill every 10 s: nothing refills while a test counts
+IN_FLIGHT = 2
+
+
+def wf(agents: list[str]) -> dict[str, Any]:
+    return {"model_ids": agents, "subtasks": [f"part {i}" for i in range(len(agents))],
+            "access_lists": [[i - 1] if i else [] for i in range(len(agents))]}
+
+
+@pytest.fixture(scope="module")
+def quota_api(proc_env: dict[str, str], workers: list[Proc]) -> Iterator[str]:
+    env = {**proc_env, "CONDUCTOR_TENANT_SUBMITS_PER_MINUTE": str(SUBMITS_PER_MINUTE),
+           "CONDUCTOR_TENANT_MAX_JOBS_IN_FLIGHT": str(IN_FLIGHT), "CONDUCTOR_TENANT_MAX_STREAMS": "1"}
+    proc, url = start_api(env)
+    yield url
+    proc.stop()
+
+
+def tenant_client(url: str, tenant: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {new_key(tenant)}"}, timeout=30)
+
+
+def assert_429(r: httpx.Response, title: str) -> None:
+    assert r.status_code == 429, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert int(r.headers["Retry-After"]) >= 1
+    body = r.json()
+    assert body["status"] == 429 and body["title"] == title and body["detail"]
+
+
+def test_jobs_in_flight_quota_refuses_one_tenant_and_not_another(quota_api: str) -> None:
+    with tenant_client(quota_api, "greedy-inflight") as greedy, tenant_client(quota_api, "polite-inflight") as polite:
+        slow = [greedy.post("/v1/jobs", json={"task": "t", "workflow": wf(["slow", "slow"])}) for _ in range(IN_FLIGHT)]
+        assert [r.status_code for r in slow] == [202] * IN_FLIGHT
+        refused = greedy.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])})
+        assert_429(refused, "Too many jobs in flight")
+        assert f"the limit is {IN_FLIGHT}" in refused.json()["detail"]
+        chat = greedy.post("/v1/chat/completions", json={"model": "conductor", "messages": [
+            {"role": "user", "content": "hi"}]})  # the OpenAI-compatible route counts too, in its own shape
+        assert chat.status_code == 429 and int(chat.headers["Retry-After"]) >= 1, chat.text
+        assert chat.json()["error"]["type"] == "rate_limit_error"
+
+        other = polite.post("/v1/jobs", json={"task": "t", "workflow": wf(["a", "b"])})
+        assert other.status_code == 202, other.text
+        assert wait_terminal(polite, other.json()["id"])["status"] == "succeeded"
+
+        for r in slow:  # once greedy's jobs end, it may submit again
+            assert wait_terminal(greedy, r.json()["id"])["status"] == "succeeded"
+        again = greedy.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])})
+        assert again.status_code == 202, again.text
+        assert wait_terminal(greedy, again.json()["id"])["status"] == "succeeded"
+
+
+def test_concurrent_submissions_cannot_both_take_the_last_place(quota_api: str) -> None:
+    with tenant_client(quota_api, "racer") as racer:
+        results: list[int] = []
+
+        def submit() -> None:
+            results.append(racer.post("/v1/jobs", json={"task": "t", "workflow": wf(["slow"])}).status_code)
+
+        threads = [threading.Thread(target=submit) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(results) == [202] * IN_FLIGHT + [429] * (4 - IN_FLIGHT)
+
+
+def test_submit_rate_quota_refuses_one_tenant_and_not_another(quota_api: str) -> None:
+    with tenant_client(quota_api, "bursty") as bursty, tenant_client(quota_api, "steady") as steady:
+        for _ in range(SUBMITS_PER_MINUTE):  # each job is cancelled at once: only the rate counts here
+            created = bursty.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])})
+            assert created.status_code == 202, created.text
+            bursty.post(f"/v1/jobs/{created.json()['id']}/cancel")
+        refused = bursty.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])})
+        assert_429(refused, "Too many submissions")
+        assert int(refused.headers["Retry-After"]) <= 60 // SUBMITS_PER_MINUTE
+
+        other = steady.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])})
+        assert other.status_code == 202, other.text
+        assert wait_terminal(steady, other.json()["id"])["status"] == "succeeded"
+
+
+def read_events(stream: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    kind = ""
+    for line in stream.iter_lines():
+        if line.startswith("event: "):
+            kind = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            yield kind, json.loads(line.removeprefix("data: "))
+
+
+def test_event_streams_per_tenant_are_capped(quota_api: str) -> None:
+    with tenant_client(quota_api, "watcher") as watcher, tenant_client(quota_api, "other-watcher") as other:
+        job_id = watcher.post("/v1/jobs", json={"task": "t", "workflow": wf(["slow", "slow"])}).json()["id"]
+        other_id = other.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])}).json()["id"]
+        with watcher.stream("GET", f"/v1/jobs/{job_id}/events") as first:
+            assert first.status_code == 200
+            events = read_events(first)
+            next(events)  # the stream is open and serving
+            assert_429(watcher.get(f"/v1/jobs/{job_id}/events"), "Too many event streams")
+            with other.stream("GET", f"/v1/jobs/{other_id}/events") as theirs:
+                assert theirs.status_code == 200
+                got = list(read_events(theirs))
+                assert [e for k, e in got if k == "job"][-1]["status"] == "succeeded", got
+            assert [e for k, e in events if k == "job"][-1]["status"] == "succeeded"
+        # The first stream ended with its job: its slot is free again.
+        with watcher.stream("GET", f"/v1/jobs/{job_id}/events") as again:
+            assert again.status_code == 200
+            assert [e for k, e in read_events(again) if k == "job"][-1]["status"] == "succeeded"
+
+
+def test_an_event_stream_ends_when_its_key_is_revoked(quota_api: str) -> None:
+    key = new_key("revoked-watcher")
+    with httpx.Client(base_url=quota_api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        job_id = c.post("/v1/jobs", json={"task": "t", "workflow": wf(["slow", "slow", "slow"])}).json()["id"]
+        seen: list[tuple[str, dict[str, Any]]] = []
+        with c.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+            for kind, event in read_events(stream):
+                seen.append((kind, event))
+                if len(seen) == 1:
+                    with session_scope() as s:
+                        assert revoke_key(s, prefix=key[:10]) == 1
+        assert seen[-1] == ("error", {"type": "key_revoked", "message": "the API key of this stream was revoked"})
+        assert not any(k == "job" and e["status"] == "succeeded" for k, e in seen)  # it ended before the job did
+        assert c.get(f"/v1/jobs/{job_id}").status_code == 401
+
+
+def test_deeply_nested_json_is_a_422_not_a_500(client: httpx.Client) -> None:
+    deep = "[" * 300 + "]" * 300
+    for body in (f'{{"task": "t", "metadata": {{"x": {deep}}}}}',
+                 f'{{"task": "t", "workflow": {{"model_ids": ["a"], "subtasks": ["s"], "access_lists": [[]], '
+                 f'"x": {deep}}}}}'):
+        r = client.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert "nested more than" in r.json()["detail"]

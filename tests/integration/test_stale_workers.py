@@ -1,0 +1,138 @@
+"""Finding 8 and the timeout story, on a real Postgres: a worker that lost its step can neither erase
+the new owner's usage nor rewrite its closed attempt; a claim that raises fails its step instead of
+being re-sent forever; a step stuck past its longest possible duration stops being kept alive."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import sqlalchemy as sa
+
+from conductor.engine import _record_success, plan_job, run_step
+from conductor.lease import Heartbeat
+from conductor.pool.base import Completion
+from conductor.settings import get_settings
+from conductor.store import jobs as store
+from conductor.store.db import get_engine, session_scope, transaction
+from conductor.store.models import JobStatus, StepStatus, utcnow
+from conductor.submission import JobCreate, create_job
+from conductor.tasks.app import celery_config
+
+
+def new_job(agent: str) -> str:
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "stale test", "workflow": {
+            "model_ids": [agent], "subtasks": ["s"], "access_lists": [[]]}}), tenant="stale", settings=get_settings())
+        return job.id
+
+
+def test_a_worker_that_lost_its_step_adds_its_usage_and_cannot_rewrite_its_attempt() -> None:
+    settings = get_settings()
+    job_id = new_job("slowish")  # 1.2 s per call
+    plan_job(job_id, settings=settings)
+
+    def claim_as_stale(s: sa.orm.Session) -> tuple[int, int]:
+        claim = store.claim_step_row(s, job_id=job_id, index=0, owner="stale#1", lease_s=0.01, task_id=None,
+                                     count_attempt=True)
+        assert claim is not None
+        return claim.step_id, store.open_attempt(s, step_id=claim.step_id, n=1, worker="stale#1")
+
+    step_id, stale_attempt = transaction(claim_as_stale)
+    time.sleep(0.05)  # the stale worker's lease lapses; a new worker takes the step over
+    successor = threading.Thread(target=run_step, args=(job_id, 0),
+                                 kwargs={"worker": "new", "task_id": None, "settings": settings})
+    successor.start()
+    deadline = time.monotonic() + 30
+    while True:
+        with session_scope() as s:
+            step = store.get_step(s, job_id=job_id, index=0)
+            assert step is not None
+            if (step.lease_owner or "").startswith("new#"):
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # The stale worker's call returns while the new owner's is in flight: its answer is dropped, its
+    # usage counted, and its attempt (closed as WorkerLost by the takeover) left as it is.
+    stale = Completion(text="late", input_tokens=1000, output_tokens=500, finish_reason="stop", model="m",
+                       latency_ms=5)
+    _record_success(job_id, 0, step_id, "stale#1", stale_attempt, stale,
+                    {"output": "late", "input_tokens": 1000, "output_tokens": 500, "cost_usd": 0.0})
+    successor.join(30)
+
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        attempts = store.get_attempts(s, step_ids=[step_id])
+        job = store.get_job(s, job_id=job_id)
+    assert step is not None and job is not None
+    assert step.status == StepStatus.SUCCEEDED and step.output != "late"
+    own = [a for a in attempts if a.worker and a.worker.startswith("new#")]
+    assert own and own[-1].error_type is None
+    assert step.input_tokens > 1000 and step.output_tokens > 500  # both calls' usage: neither overwrote
+    assert job.status == JobStatus.SUCCEEDED and job.input_tokens == step.input_tokens
+    first = next(a for a in attempts if a.id == stale_attempt)
+    assert first.error_type == "worker_lost" and first.latency_ms is None  # not rewritten by the stale worker
+
+
+def test_a_claim_that_raises_fails_its_step_instead_of_looping() -> None:
+    settings = get_settings()
+    job_id = new_job("a")
+    plan_job(job_id, settings=settings)
+    with get_engine(settings.database_url).begin() as conn:  # a snapshot the engine cannot use
+        conn.execute(sa.text("UPDATE job SET pool_config = jsonb_set(pool_config, '{agents}', "
+                             "(pool_config->'agents') - 'a') WHERE id = :id"), {"id": job_id})
+
+    run_step(job_id, 0, worker="w", task_id=None, settings=settings)  # does not raise
+
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        job = store.get_job(s, job_id=job_id)
+    assert step is not None and job is not None
+    assert step.status == StepStatus.FAILED and step.error_type == "internal_error"
+    assert job.status == JobStatus.FAILED and job.error_step == 0
+    # A re-sent message finds the step ended: nothing runs again.
+    assert run_step(job_id, 0, worker="w2", task_id=None, settings=settings).steps == []
+
+
+def test_a_stuck_step_stops_being_renewed_after_its_longest_duration() -> None:
+    settings = get_settings()
+    job_id = new_job("a")
+    plan_job(job_id, settings=settings)
+
+    def claim(s: sa.orm.Session) -> int:
+        got = store.claim_step_row(s, job_id=job_id, index=0, owner="stuck#1", lease_s=1.0, task_id=None,
+                                   count_attempt=True)
+        assert got is not None
+        store.open_attempt(s, step_id=got.step_id, n=1, worker="stuck#1")
+        return got.step_id
+
+    step_id = transaction(claim)
+    beat = Heartbeat(lease_s=1.0)
+    with beat.holding(step_id, "stuck#1", for_s=1.5):  # the call never returns within its bound
+        deadline = time.monotonic() + 30
+        while (step_id, "stuck#1") in beat.held():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.2)  # one lease after the last renewal
+        with session_scope() as s:
+            step = store.get_step(s, job_id=job_id, index=0)
+            assert step is not None and step.lease_expires_at is not None
+            assert step.lease_expires_at < utcnow()  # re-claimable: the reconciler hands it on
+        run_step(job_id, 0, worker="rescuer", task_id=None, settings=settings)  # what the reconciler's re-send does
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        attempts = store.get_attempts(s, step_ids=[step_id])
+    assert step is not None and step.status == StepStatus.SUCCEEDED
+    assert [a.error_type for a in attempts] == ["worker_lost", None]
+
+
+def test_no_celery_time_limits_one_bound_in_the_engine() -> None:
+    settings = get_settings()
+    config = celery_config(settings)
+    assert "task_soft_time_limit" not in config and "task_time_limit" not in config
+    longest = settings.step_max_duration_s()
+    assert longest == settings.step_max_attempts * (
+        settings.provider_timeout_s + settings.rate_limit_wait_s + settings.retry_backoff_max_s)
+    assert config["broker_transport_options"]["visibility_timeout"] > longest  # type: ignore[index]
+    assert settings.step_max_duration_s(900) > longest  # an agent's own longer timeout widens it
+

@@ -1,0 +1,135 @@
+"""The trace viewer in a real browser (Debian's headless Chromium driven by Playwright) against the API
+and a Celery worker: sign in, open a finished diamond job, see 4 steps and 4 edges, the messages each
+worker saw, and user text shown as text, never run as markup."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import BrowserContext, Page, sync_playwright
+
+from conductor.store.db import session_scope
+from conductor.store.jobs import get_steps
+from tests.integration.conftest import new_key
+from tests.integration.harness import LOGS, wait_terminal
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+XSS_TASK = 'Compare <script>window.__xss = "task"</script> and <img src=x onerror="window.__xss=\'img\'"> safely'
+DIAMOND = {"model_ids": ["a", "b", "c", "d"],
+           "subtasks": ["root", "left </pre><script>window.__xss='step'</script>", "right", "join"],
+           "access_lists": [[], [0], [0], [1, 2]]}
+SCREENSHOT = LOGS / "trace-viewer.png"  # the top of the page; docs/img/trace-viewer.png is a copy
+FULL_PAGE = LOGS / "trace-viewer-full.png"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[BrowserContext]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run scripts/ensure-tools.sh (make test does) to install Debian's chromium")
+    profile = tempfile.mkdtemp(prefix="conductor-chromium-")
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1100, "height": 900})
+        yield context
+        context.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def diamond(client: httpx.Client) -> str:
+    created = client.post("/v1/jobs", json={"task": XSS_TASK, "workflow": DIAMOND})
+    assert created.status_code == 202, created.text
+    assert created.json()["links"]["trace"] == f"/ui/jobs/{created.json()['id']}"  # where the viewer shows it
+    job = wait_terminal(client, created.json()["id"])
+    assert job["status"] == "succeeded", job
+    return str(job["id"])
+
+
+def sign_in(page: Page, api: str, target: str, key: str) -> None:
+    page.goto(f"{api}{target}")
+    assert page.locator("form.login").count() == 1  # not signed in: the login form, for this page
+    page.fill("input[name=key]", key)
+    page.click("form.login button[type=submit]")
+    page.wait_for_url(f"{api}{target}")
+
+
+def test_the_viewer_draws_a_finished_diamond_job(browser: BrowserContext, api: str, diamond: str) -> None:
+    page = browser.new_page()
+    sign_in(page, api, f"/ui/jobs/{diamond}", new_key("tenant-a"))
+
+    graph = page.locator(f'svg.graph[data-job-id="{diamond}"]')
+    assert graph.locator("g.node").count() == 4
+    assert graph.locator("path.edge").count() == 4
+    edges = {(int(e.get_attribute("data-from") or -1), int(e.get_attribute("data-to") or -1))
+             for e in graph.locator("path.edge").all()}
+    assert edges == {(0, 1), (0, 2), (1, 3), (2, 3)}
+    assert all(box is not None and box["width"] > 0 for box in
+               (e.bounding_box() for e in graph.locator("path.edge").all()))  # drawn, not just present
+    assert page.locator("svg.timeline rect.bar.attempt").count() == 4
+
+    with session_scope() as s:
+        steps = get_steps(s, job_id=diamond)
+    cards = page.locator("article.step")
+    assert cards.count() == 4
+    for st, card in zip(steps, cards.all(), strict=True):
+        assert card.locator("dd.tokens").inner_text() == f"{st.input_tokens} in / {st.output_tokens} out"
+        assert card.locator("dd.cost").inner_text() == f"${st.cost_usd:.6f}"
+        shown = [m.text_content() for m in card.locator(".message pre").all()]
+        assert shown == [m["content"] for m in st.messages or []]  # exactly what the worker saw
+
+    assert page.evaluate("window.__xss") is None  # no injected script or handler ran
+    assert page.locator("pre.task").inner_text() == XSS_TASK
+    LOGS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT))
+    page.screenshot(path=str(FULL_PAGE), full_page=True)
+    assert SCREENSHOT.stat().st_size > 10_000
+
+    page.goto(f"{api}/ui/jobs?status=succeeded")
+    assert page.locator(f'a[href="/ui/jobs/{diamond}"]').count() == 1
+    page.goto(f"{api}/ui/jobs?status=failed")
+    assert page.locator(f'a[href="/ui/jobs/{diamond}"]').count() == 0
+    page.close()
+
+
+def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
+    key = new_key("tenant-a")
+    html = {"Accept": "text/html"}
+    with httpx.Client(base_url=api, timeout=30) as http:
+        anonymous = http.get(f"/ui/jobs/{diamond}", headers=html)
+        assert anonymous.status_code == 401 and 'name="next" value="/ui/jobs/' in anonymous.text
+        assert http.get(f"/ui/jobs/{diamond}").headers["content-type"] == "application/problem+json"
+
+        bearer = http.get(f"/ui/jobs/{diamond}", headers={"Authorization": f"Bearer {key}"})
+        assert bearer.status_code == 200 and "default-src 'none'" in bearer.headers["content-security-policy"]
+        assert "<script" not in bearer.text and "&lt;script&gt;" in bearer.text
+        other = http.get(f"/ui/jobs/{diamond}", headers={"Authorization": f"Bearer {new_key('tenant-z')}"})
+        assert other.status_code == 404  # another tenant's job does not exist for them
+
+        bad = http.post("/ui/login", data={"key": "cq_wrong", "next": "/ui/jobs"})
+        assert bad.status_code == 401 and "set-cookie" not in bad.headers
+        good = http.post("/ui/login", data={"key": key, "next": "//evil.example/ui/"}, follow_redirects=False)
+        assert good.status_code == 303 and good.headers["location"] == "/ui/jobs"  # no open redirect
+        cookie = good.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie and "path=/ui" in cookie
+
+
+def test_a_recursive_step_shows_its_child_job_nested(client: httpx.Client, api: str) -> None:
+    created = client.post("/v1/jobs", json={"task": "recurse", "planner": "template:single", "workflow": {
+        "model_ids": ["a", "conductor"], "subtasks": ["look", "dig deeper"], "access_lists": [[], [0]]}})
+    job = wait_terminal(client, created.json()["id"])
+    assert job["status"] == "succeeded", job
+    child_id = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"][1]["child_job_id"]
+    page = client.get(f"/ui/jobs/{job['id']}").text
+
+    assert page.count('<section class="job depth-0"') == 1 and page.count('<section class="job depth-1"') == 1
+    nested = page[page.index('<div class="child">'):]
+    assert f'data-job-id="{child_id}"' in nested  # the child's own graph, inside the recursive step
+    assert page.count('<svg class="graph"') == 2

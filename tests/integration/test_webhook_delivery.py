@@ -1,0 +1,122 @@
+"""The delivery rules on a real Postgres, driven directly (no broker): the engine writes the delivery
+with the job's end, and ``deliver`` makes one attempt per call against a loopback receiver. These pin
+down the schedule (Retry-After, the end of the backoff), duplicate messages, and the send-time SSRF
+check after DNS resolution — cases the process-level tests cannot stage on demand."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from conductor.engine import Dispatch, plan_job, run_step
+from conductor.settings import Settings, get_settings
+from conductor.store import webhooks as store
+from conductor.store.db import session_scope
+from conductor.store.models import DeliveryStatus, WebhookAttempt, WebhookDelivery, utcnow
+from conductor.submission import JobCreate, create_job
+from conductor.tasks.webhooks import job_payload
+from conductor.webhooks.deliver import deliver
+from tests.integration.webhook_receiver import Receiver, serve_receiver
+
+ONE_STEP = {"model_ids": ["a"], "subtasks": ["s"], "access_lists": [[]]}
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    with serve_receiver() as r:
+        yield r
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return get_settings().model_copy(update={"webhook_allow_loopback": True, "webhook_backoff_s": [0.0, 0.0]})
+
+
+def ended_job_delivery(settings: Settings, url: str) -> str:
+    """A job run to its end by the engine itself; returns the delivery its end wrote."""
+    with session_scope() as s:
+        body = JobCreate.model_validate({"task": "hook", "workflow": ONE_STEP, "webhook_url": url})
+        job, _ = create_job(s, body, tenant="hooks-engine", settings=settings)
+        job_id = job.id
+    plan_job(job_id, settings=settings)
+    ended: Dispatch = run_step(job_id, 0, worker="test", task_id=None, settings=settings)  # finalizes inline
+    assert len(ended.webhooks) == 1
+    return ended.webhooks[0]
+
+
+def row(delivery_id: str) -> tuple[WebhookDelivery, list[WebhookAttempt]]:
+    with session_scope() as s:
+        delivery = store.get_delivery(s, delivery_id=delivery_id)
+        assert delivery is not None
+        return delivery, store.attempts_for(s, delivery_ids=[delivery_id])
+
+
+def test_a_longer_retry_after_is_honoured(settings: Settings, receiver: Receiver) -> None:
+    delivery_id = ended_job_delivery(settings, receiver.on("/slow-down", (503, {"Retry-After": "120"})))
+    outcome = deliver(delivery_id, settings=settings, render=job_payload)
+    delivery, attempts = row(delivery_id)
+    assert outcome.retry_in == 120.0  # not the 0 s of the backoff schedule
+    assert delivery.status == DeliveryStatus.PENDING
+    assert delivery.next_attempt_at - (attempts[0].finished_at or utcnow()) >= timedelta(seconds=119)
+    assert [a.status_code for a in attempts] == [503]
+    duplicate = deliver(delivery_id, settings=settings, render=job_payload)  # not due yet: sends nothing
+    assert duplicate.retry_in is None
+    assert len(receiver.at("/slow-down")) == 1
+    with session_scope() as s:  # leave no retry due later for another test's reconciler pass to send
+        store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)
+
+
+def test_the_delivery_fails_once_the_backoff_schedule_is_spent(settings: Settings, receiver: Receiver) -> None:
+    delivery_id = ended_job_delivery(settings, receiver.on("/down", 500))
+    for _ in range(len(settings.webhook_backoff_s) + 1):
+        deliver(delivery_id, settings=settings, render=job_payload)
+    delivery, attempts = row(delivery_id)
+    assert delivery.status == DeliveryStatus.FAILED and delivery.finished_at is not None
+    assert [a.n for a in attempts] == [1, 2, 3]
+    assert deliver(delivery_id, settings=settings, render=job_payload).retry_in is None
+    assert len(receiver.at("/down")) == 3  # one request per attempt, none after giving up
+    ids = {r.headers["webhook-id"] for r in receiver.at("/down")}
+    assert ids == {delivery_id}
+
+
+def test_a_name_that_resolves_to_a_private_address_is_refused_before_connecting(
+    settings: Settings, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The URL passed the submit check (a public-looking name); at send time it resolves to 10.0.0.1
+    (DNS is the faked edge here), so the attempt is refused and no connection is made."""
+    delivery_id = ended_job_delivery(settings, "https://hooks.example.com/conductor")
+    connects: list[Any] = []
+    real_connect = socket.socket.connect
+
+    def fake_getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[tuple[Any, ...]]:
+        assert host == "hooks.example.com"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", port))]
+
+    def watched_connect(sock: socket.socket, address: Any) -> None:
+        connects.append(address)
+        real_connect(sock, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", watched_connect)
+    outcome = deliver(delivery_id, settings=settings, render=job_payload)
+    monkeypatch.undo()
+
+    delivery, attempts = row(delivery_id)
+    assert outcome.retry_in is None and delivery.status == DeliveryStatus.FAILED
+    assert attempts[0].status_code is None and "10.0.0.1 is a private address" in (attempts[0].error or "")
+    assert connects == []
+
+
+def test_only_top_level_jobs_with_a_url_owe_a_webhook(settings: Settings) -> None:
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "no hook", "workflow": ONE_STEP}),
+                            tenant="hooks-engine-none", settings=settings)
+        job_id = job.id
+    plan_job(job_id, settings=settings)
+    assert run_step(job_id, 0, worker="test", task_id=None, settings=settings).webhooks == []
+    with session_scope() as s:
+        assert store.deliveries_for_job(s, job_id=job_id) == []

@@ -1,0 +1,258 @@
+"""Webhooks end to end: the API, Celery worker processes, Postgres and Redis are real; the receiver is a
+loopback HTTP server that checks every signature with the ``standardwebhooks`` library, unchanged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import sqlalchemy as sa
+from standardwebhooks import Webhook
+
+from conductor.settings import get_settings
+from conductor.store.db import get_engine
+from tests.integration.conftest import new_key
+from tests.integration.harness import Proc, start_api, start_worker, wait_terminal
+from tests.integration.webhook_receiver import Received, Receiver, serve_receiver
+
+pytestmark = pytest.mark.integration
+
+TWO_STEPS = {"model_ids": ["a", "b"], "subtasks": ["draft", "polish"], "access_lists": [[], [0]]}
+SLOW = {"model_ids": ["slow"], "subtasks": ["take your time"], "access_lists": [[]]}
+FAILING = {"model_ids": ["refuses"], "subtasks": ["no"], "access_lists": [[]]}
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    with serve_receiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def hook_env(proc_env: dict[str, str]) -> dict[str, str]:
+    """The receiver is on loopback, so loopback is allowed; retries come after 0.5 s instead of minutes."""
+    return {**proc_env, "CONDUCTOR_WEBHOOK_ALLOW_LOOPBACK": "true", "CONDUCTOR_WEBHOOK_BACKOFF_S": "[0.5, 0.5, 0.5]",
+            "CONDUCTOR_WEBHOOK_TIMEOUT_S": "5", "CONDUCTOR_RECONCILE_STALE_S": "0"}
+
+
+@pytest.fixture(scope="module")
+def hook_api(hook_env: dict[str, str]) -> Iterator[str]:
+    proc, url = start_api(hook_env)
+    yield url
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def step_worker(hook_env: dict[str, str]) -> Iterator[Proc]:
+    proc = start_worker(hook_env, "wh-steps", queues="planner,steps", concurrency=4)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def hook_worker(hook_env: dict[str, str], step_worker: Proc) -> Iterator[Callable[[], Proc]]:
+    """The ``webhooks`` queue's own worker; a test may stop it (``stop_hook_worker``) and start it again."""
+    procs = [start_worker(hook_env, "wh-hooks", queues="webhooks", concurrency=4)]
+
+    def current() -> Proc:
+        if procs[-1].popen.poll() is not None:
+            procs.append(start_worker(hook_env, "wh-hooks", queues="webhooks", concurrency=4))
+        return procs[-1]
+
+    yield current
+    for p in procs:
+        p.stop()
+
+
+def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "conductor.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@dataclass
+class Tenant:
+    name: str
+    client: httpx.Client
+    secret: str
+
+
+@pytest.fixture
+def tenant(request: pytest.FixtureRequest, hook_api: str, hook_env: dict[str, str],
+           hook_worker: Callable[[], Proc]) -> Iterator[Tenant]:
+    name = f"hooks-{request.node.name[:40]}-{time.monotonic_ns()}"
+    shown = cli("webhooks", "secret", "--tenant", name, env=hook_env)
+    assert shown.returncode == 0, shown.stderr
+    secret = shown.stdout.strip().splitlines()[-1]
+    key = new_key(name)
+    with httpx.Client(base_url=hook_api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        yield Tenant(name, c, secret)
+
+
+def submit(client: httpx.Client, **body: Any) -> str:
+    r = client.post("/v1/jobs", json={"task": "webhook test", **body})
+    assert r.status_code == 202, r.text
+    return str(r.json()["id"])
+
+
+def settled_deliveries(client: httpx.Client, job_id: str, timeout: float = 60) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    data: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        r = client.get(f"/v1/jobs/{job_id}/deliveries")
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        if data and all(d["status"] != "pending" for d in data):
+            return data
+        time.sleep(0.1)
+    raise AssertionError(f"deliveries of {job_id} did not settle: {data}")
+
+
+def verified(secret: str, got: Received) -> dict[str, Any]:
+    """The receiver's side: the reference verifier checks the signature over the raw body."""
+    payload: dict[str, Any] = Webhook(secret).verify(got.body, got.headers)
+    return payload
+
+
+def test_signed_webhook_is_retried_after_a_500_with_the_same_webhook_id(
+    tenant: Tenant, receiver: Receiver
+) -> None:
+    url = receiver.on("/retry", 500, 200)
+    job_id = submit(tenant.client, workflow=TWO_STEPS, webhook_url=url)
+    job = wait_terminal(tenant.client, job_id)
+
+    first, second = receiver.wait_for("/retry", 2)
+    assert (first.answered, second.answered) == (500, 200)
+    assert first.headers["webhook-id"] == second.headers["webhook-id"]
+    assert first.body == second.body  # a retry is the same message
+    for got in (first, second):
+        event = verified(tenant.secret, got)
+        assert event["type"] == "job.succeeded"
+        assert event["data"]["id"] == job_id and event["data"]["answer"] == job["answer"] == "[b] polish"
+        assert event["data"]["status"] == "succeeded" and event["timestamp"] == job["finished_at"]
+
+    [delivery] = settled_deliveries(tenant.client, job_id)
+    assert delivery["id"] == first.headers["webhook-id"]
+    assert delivery["status"] == "delivered" and delivery["url"] == url and delivery["type"] == "job.succeeded"
+    assert [a["status_code"] for a in delivery["attempts"]] == [500, 200]
+    assert [a["n"] for a in delivery["attempts"]] == [1, 2]
+    assert delivery["attempts"][0]["error"] == "HTTP 500" and delivery["attempts"][1]["error"] is None
+    assert all(a["latency_ms"] is not None for a in delivery["attempts"])
+    assert len(receiver.at("/retry")) == 2  # nothing after the 2xx
+
+
+def test_410_disables_the_url_for_the_tenant(tenant: Tenant, receiver: Receiver, hook_env: dict[str, str]) -> None:
+    url = receiver.on("/gone", 410)
+    first_job = submit(tenant.client, workflow=TWO_STEPS, webhook_url=url)
+    [delivery] = settled_deliveries(tenant.client, first_job)
+    assert delivery["status"] == "disabled"
+    assert [a["status_code"] for a in delivery["attempts"]] == [410]
+
+    second_job = submit(tenant.client, workflow=TWO_STEPS, webhook_url=url)
+    [skipped] = settled_deliveries(tenant.client, second_job)
+    assert skipped["status"] == "disabled"
+    assert skipped["attempts"][0]["status_code"] is None and "410 Gone" in skipped["attempts"][0]["error"]
+    assert len(receiver.at("/gone")) == 1  # the second job's webhook was never sent
+
+    enabled = cli("webhooks", "enable", "--tenant", tenant.name, url, env=hook_env)
+    assert enabled.returncode == 0, enabled.stderr
+    receiver.on("/gone", 204)
+    third_job = submit(tenant.client, workflow=TWO_STEPS, webhook_url=url)
+    assert settled_deliveries(tenant.client, third_job)[0]["status"] == "delivered"
+    assert len(receiver.at("/gone")) == 2
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/", "http://10.0.0.1/hook",
+                                 "http://[::ffff:10.0.0.1]/hook", "http://0xa9fea9fe/hook"])
+def test_private_and_metadata_targets_are_refused_at_submit(tenant: Tenant, url: str) -> None:
+    before = len(tenant.client.get("/v1/jobs").json()["data"])
+    r = tenant.client.post("/v1/jobs", json={"task": "t", "webhook_url": url})
+    assert r.status_code == 422, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    problem = r.json()
+    assert problem["title"] == "Webhook target refused"
+    assert problem["errors"][0]["loc"] == ["body", "webhook_url"]
+    assert len(tenant.client.get("/v1/jobs").json()["data"]) == before  # no job, so nothing will ever be sent
+
+
+def test_failed_and_cancelled_jobs_send_their_events(tenant: Tenant, receiver: Receiver) -> None:
+    url = receiver.on("/ends", 200)
+    failed = submit(tenant.client, workflow=FAILING, webhook_url=url)
+    cancelled = submit(tenant.client, workflow=SLOW, webhook_url=url)
+    assert tenant.client.post(f"/v1/jobs/{cancelled}/cancel").status_code == 202
+    assert wait_terminal(tenant.client, failed)["status"] == "failed"
+    events = {verified(tenant.secret, got)["data"]["id"]: verified(tenant.secret, got)
+              for got in receiver.wait_for("/ends", 2)}
+    assert events[failed]["type"] == "job.failed" and events[failed]["data"]["error"]["type"] == "bad_request"
+    assert events[cancelled]["type"] == "job.cancelled" and events[cancelled]["data"]["status"] == "cancelled"
+
+
+def test_tenant_default_url_is_used_and_deliveries_are_tenant_scoped(
+    tenant: Tenant, receiver: Receiver, hook_env: dict[str, str], hook_api: str
+) -> None:
+    url = receiver.on("/default", 200)
+    set_default = cli("webhooks", "url", "--tenant", tenant.name, url, env=hook_env)
+    assert set_default.returncode == 0 and set_default.stdout.strip() == url, set_default.stderr
+    job_id = submit(tenant.client, workflow=TWO_STEPS)
+    [got] = receiver.wait_for("/default", 1)
+    assert verified(tenant.secret, got)["data"]["id"] == job_id
+
+    with httpx.Client(base_url=hook_api, headers={"Authorization": f"Bearer {new_key('hooks-other')}"}) as other:
+        r = other.get(f"/v1/jobs/{job_id}/deliveries")
+    assert r.status_code == 404 and r.headers["content-type"].startswith("application/problem+json")
+    assert tenant.client.get("/v1/jobs/not-a-job/deliveries").status_code == 404
+
+
+def test_a_lost_delivery_message_is_sent_by_the_reconciler(
+    tenant: Tenant, receiver: Receiver, hook_env: dict[str, str], hook_worker: Callable[[], Proc]
+) -> None:
+    """The job ends while no webhook worker runs and its message is then lost (the queue emptied): the
+    outbox row in Postgres still says it is owed, and one reconciler pass sends it again."""
+    url = receiver.on("/lost", 200)
+    hook_worker().stop()
+    job_id = submit(tenant.client, workflow=TWO_STEPS, webhook_url=url)
+    wait_terminal(tenant.client, job_id)
+    broker = redis.Redis.from_url(get_settings().broker_url)
+    deadline = time.monotonic() + 10
+    while not broker.llen("webhooks") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert broker.delete("webhooks") == 1  # the message is lost
+    hook_worker()  # a webhooks worker again, with nothing to consume
+    [pending] = tenant.client.get(f"/v1/jobs/{job_id}/deliveries").json()["data"]
+    assert pending["status"] == "pending" and pending["attempts"] == []
+
+    deadline = time.monotonic() + 30
+    while not receiver.at("/lost") and time.monotonic() < deadline:
+        reconciled = cli("reconcile", env=hook_env)
+        assert reconciled.returncode == 0, reconciled.stderr
+        time.sleep(1)
+    [got] = receiver.wait_for("/lost", 1)
+    assert got.headers["webhook-id"] == pending["id"]
+    assert settled_deliveries(tenant.client, job_id)[0]["status"] == "delivered"
+
+
+def test_an_ended_job_without_a_delivery_row_gets_one_from_the_reconciler(
+    tenant: Tenant, receiver: Receiver, hook_env: dict[str, str]
+) -> None:
+    """Whatever path ended a job, if it left no outbox row, the reconciler writes and sends it."""
+    url = receiver.on("/backfill", 200)
+    job_id = submit(tenant.client, workflow=TWO_STEPS, webhook_url=url)
+    assert settled_deliveries(tenant.client, job_id)[0]["status"] == "delivered"
+    with get_engine(get_settings().database_url).begin() as conn:  # as if no delivery had been written
+        delivery = conn.execute(sa.text("SELECT id FROM webhook_delivery WHERE job_id = :j"), {"j": job_id}).scalar()
+        conn.execute(sa.text("DELETE FROM webhook_attempt WHERE delivery_id = :d"), {"d": delivery})
+        conn.execute(sa.text("DELETE FROM webhook_delivery WHERE id = :d"), {"d": delivery})
+
+    deadline = time.monotonic() + 30
+    while len(receiver.at("/backfill")) < 2 and time.monotonic() < deadline:
+        reconciled = cli("reconcile", env=hook_env)
+        assert reconciled.returncode == 0, reconciled.stderr
+        time.sleep(1)
+    _, again = receiver.wait_for("/backfill", 2)
+    assert verified(tenant.secret, again)["data"]["id"] == job_id

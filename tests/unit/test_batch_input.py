@@ -1,0 +1,82 @@
+"""Batch input files: what refuses a whole file (with its line) and what fails one line only."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from conductor.batches import BatchFileError, InputLine, LineError, line_job, parse_input
+from conductor.settings import Settings
+
+SETTINGS = Settings(batch_max_lines=3, batch_max_file_bytes=2048, max_body_bytes=1024)
+
+
+def jsonl(*items: Any) -> bytes:
+    return "".join((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items).encode()
+
+
+def test_lines_keep_their_numbers_and_blank_lines_are_skipped() -> None:
+    lines = parse_input(jsonl({"custom_id": "a"}, "", {"custom_id": "b"}), SETTINGS)
+    assert [(x.line, x.custom_id) for x in lines] == [(1, "a"), (3, "b")]
+
+
+@pytest.mark.parametrize(
+    ("content", "code", "line"),
+    [
+        (jsonl({"custom_id": "a"}, {"custom_id": "b"}, {"custom_id": "a"}), "duplicate_custom_id", 3),
+        (jsonl({"custom_id": "a"}, "{nope"), "invalid_json", 2),
+        (jsonl({"custom_id": "a"}, '{"custom_id": "b", "x": NaN}'), "invalid_json", 2),
+        (jsonl([1, 2]), "invalid_json", 1),
+        (jsonl({"custom_id": ""}), "invalid_custom_id", 1),
+        (jsonl({"custom_id": 7}), "invalid_custom_id", 1),
+        (jsonl({"custom_id": "a\u0000"}), "invalid_custom_id", 1),
+        (jsonl(*({"custom_id": str(n)} for n in range(4))), "too_many_requests", 4),
+        (b"\n\n", "empty_file", None),
+        (b"\xff\xfe", "invalid_encoding", None),
+        (b"x" * 2049, "file_too_large", None),
+    ],
+)
+def test_files_refused_whole(content: bytes, code: str, line: int | None) -> None:
+    with pytest.raises(BatchFileError) as refused:
+        parse_input(content, SETTINGS)
+    assert refused.value.code == code and refused.value.line == line
+    if line is not None:
+        assert str(refused.value).startswith(f"line {line}:")
+
+
+def item(**request: Any) -> InputLine:
+    return InputLine(line=5, custom_id="x", request={"custom_id": "x", **request})
+
+
+GOOD_CHAT = {"model": "conductor/template:pev",
+             "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]}
+
+
+def test_a_chat_line_becomes_a_job_with_context() -> None:
+    made = line_job(item(method="POST", url="/v1/chat/completions", body=GOOD_CHAT), "/v1/chat/completions",
+                    SETTINGS)
+    assert made.body.task == "why?" and made.body.planner == "template:pev"
+    assert made.context == [{"role": "system", "content": "be brief"}]
+
+
+@pytest.mark.parametrize(
+    ("request_", "code"),
+    [
+        ({"method": "GET", "url": "/v1/chat/completions", "body": GOOD_CHAT}, "invalid_method"),
+        ({"method": "POST", "url": "/v1/jobs", "body": GOOD_CHAT}, "invalid_url"),
+        ({"method": "POST", "url": "/v1/chat/completions", "body": "hi"}, "invalid_body"),
+        ({"method": "POST", "url": "/v1/chat/completions", "body": {**GOOD_CHAT, "stream": True}}, "invalid_body"),
+        ({"method": "POST", "url": "/v1/chat/completions", "body": {**GOOD_CHAT, "tools": []}}, "invalid_body"),
+        ({"method": "POST", "url": "/v1/chat/completions", "body": {**GOOD_CHAT, "model": "gpt-5"}},
+         "model_not_found"),
+        ({"method": "POST", "url": "/v1/chat/completions", "body": {"model": "conductor", "messages": [
+            {"role": "user", "content": "x" * 2000}]}}, "body_too_large"),
+        ({"method": "POST", "url": "/v1/chat/completions", "body": GOOD_CHAT, "extra": 1}, "invalid_request"),
+    ],
+)
+def test_lines_that_fail_alone(request_: dict[str, Any], code: str) -> None:
+    with pytest.raises(LineError) as failed:
+        line_job(item(**request_), "/v1/chat/completions", SETTINGS)
+    assert failed.value.code == code

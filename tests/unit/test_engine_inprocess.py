@@ -1,0 +1,220 @@
+"""The engine in process, on a temporary SQLite file, with no services: the fast tier for workflow shapes.
+
+The production engine functions (``plan_job``, ``run_step``, ``finalize_job``, ``cancel_job``) run
+against the migrated schema exactly as the Celery tasks call them; only the broker is replaced, by a
+FIFO of the messages each ``Dispatch`` names (what ``conductor.tasks.send`` would publish). Agents are
+the deterministic ``sim`` provider. The same shapes run against Postgres, Redis and real workers in
+tests/integration; this tier pins the engine's decisions in seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conductor.engine import Dispatch, cancel_job, finalize_job, plan_job, run_step
+from conductor.errors import ErrorType
+from conductor.migrations.migrate import upgrade
+from conductor.settings import Settings, get_settings
+from conductor.store import jobs as store
+from conductor.store.db import get_engine, session_scope
+from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus
+from conductor.submission import JobCreate, create_job
+
+POOL = """
+planner: template:single
+fallback: template:single
+agents:
+  a: {provider: sim, price: {input_per_mtok: 1.0, output_per_mtok: 2.0}}
+  b: {provider: sim}
+  c: {provider: sim}
+  d: {provider: sim}
+  flaky: {provider: sim, options: {fail_with: [rate_limit, server], retry_after_s: 0}}
+  broken: {provider: sim, options: {always_fail: true, error: server}}
+  refuses: {provider: sim, options: {always_fail: true, error: bad_request}}
+"""
+
+
+@pytest.fixture
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    pool = tmp_path / "inprocess.yaml"
+    pool.write_text(POOL)
+    url = f"sqlite:///{tmp_path / 'engine.sqlite3'}"
+    monkeypatch.setenv("CONDUCTOR_DATABASE_URL", url)
+    monkeypatch.setenv("CONDUCTOR_BROKER_URL", "memory://")  # no Redis: the rate limiter stands aside
+    monkeypatch.setenv("CONDUCTOR_POOL_FILE", str(pool))
+    monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_BASE_S", "0")
+    monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_MAX_S", "0")
+    get_settings.cache_clear()
+    upgrade(url)
+    yield get_settings()
+    get_engine(url).dispose()
+    get_engine.cache_clear()
+    get_settings.cache_clear()
+
+
+def submit(settings: Settings, **body: Any) -> str:
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "the task", **body}), tenant="unit",
+                            settings=settings)
+        return job.id
+
+
+def drain(first: Dispatch, settings: Settings, *, max_messages: int = 200) -> list[str]:
+    """Delivers every message the engine asks for, in order, until none is left; returns what ran."""
+    queue: deque[tuple[str, tuple[Any, ...]]] = deque()
+
+    def enqueue(d: Dispatch) -> None:
+        queue.extend(("plan", (job_id,)) for job_id in d.plan)
+        queue.extend(("run_step", step) for step in d.steps)
+        queue.extend(("finalize", (job_id,)) for job_id in d.finalize)
+
+    enqueue(first)
+    delivered: list[str] = []
+    while queue:
+        assert len(delivered) < max_messages, "the engine keeps asking for work"
+        kind, args = queue.popleft()
+        delivered.append(f"{kind}{args}")
+        if kind == "plan":
+            enqueue(plan_job(args[0], settings=settings))
+        elif kind == "run_step":
+            enqueue(run_step(args[0], args[1], worker="unit", task_id=None, settings=settings))
+        else:
+            enqueue(finalize_job(args[0]))
+    return delivered
+
+
+def run(settings: Settings, **body: Any) -> tuple[Job, list[Step]]:
+    job_id = submit(settings, **body)
+    drain(Dispatch(plan=[job_id]), settings)
+    return load(job_id)
+
+
+def load(job_id: str) -> tuple[Job, list[Step]]:
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None
+        return job, store.get_steps(s, job_id=job_id)
+
+
+def attempts(step: Step) -> list[StepAttempt]:
+    with session_scope() as s:
+        assert step.id is not None
+        return store.get_attempts(s, step_ids=[step.id])
+
+
+def workflow(agents: list[str], access: list[Any], subtasks: list[str] | None = None) -> dict[str, Any]:
+    return {"model_ids": agents, "subtasks": subtasks or [f"part {i}" for i in range(len(agents))],
+            "access_lists": access}
+
+
+def test_a_chain_passes_each_answer_to_the_next_step(settings: Settings) -> None:
+    job, steps = run(settings, workflow=workflow(["a", "b", "c"], [[], [0], [1]]))
+    assert job.status == JobStatus.SUCCEEDED and job.answer == "[c] part 2"
+    assert [st.status for st in steps] == [StepStatus.SUCCEEDED] * 3
+    # Step 2 sees only step 1's turn (its access list), then its own subtask.
+    assert [m["content"] for m in steps[2].messages or []][-3:] == ["part 1", "[b] part 1", "part 2"]
+    assert all("part 0" not in m["content"] for m in steps[2].messages or [])
+    assert job.workflow_source == "request" and job.calls == 3
+    assert job.input_tokens == sum(st.input_tokens for st in steps) > 0
+
+
+def test_the_n_graph_runs_each_step_once_after_its_own_dependencies(settings: Settings) -> None:
+    """0; 1; 2<-0; 3<-0,1: a DAG no chain/group/chord canvas expresses."""
+    job_id = submit(settings, workflow=workflow(["a", "b", "c", "d"], [[], [], [0], [0, 1]]))
+    delivered = drain(Dispatch(plan=[job_id]), settings)
+    job, steps = load(job_id)
+    assert job.status == JobStatus.SUCCEEDED
+    runs = [m for m in delivered if m.startswith("run_step")]
+    assert sorted(runs) == sorted(f"run_step{(job_id, i)}" for i in range(4))  # each step sent exactly once
+    assert runs[:2] == [f"run_step{(job_id, 0)}", f"run_step{(job_id, 1)}"]  # the roots go out together
+    assert steps[3].access_list == [0, 1] and steps[2].access_list == [0]
+
+
+def test_access_all_resolves_to_every_earlier_step(settings: Settings) -> None:
+    job, steps = run(settings, workflow=workflow(["a", "b", "c"], [[], [], "all"]))
+    assert job.status == JobStatus.SUCCEEDED
+    assert steps[2].access_list == [0, 1] and steps[2].access_all
+
+
+def test_the_planner_template_writes_the_workflow(settings: Settings) -> None:
+    job, steps = run(settings, planner="template:fanout")
+    assert job.status == JobStatus.SUCCEEDED and job.workflow_source in ("planner", "template")
+    assert len(steps) >= 2 and steps[-1].access_list == list(range(len(steps) - 1))
+
+
+def test_retryable_errors_are_retried_and_every_attempt_recorded(settings: Settings) -> None:
+    job, [step] = run(settings, workflow=workflow(["flaky"], [[]]))
+    assert job.status == JobStatus.SUCCEEDED and step.output == "[flaky] part 0"
+    assert [(a.n, a.error_type) for a in attempts(step)] == [
+        (1, ErrorType.RATE_LIMITED), (2, ErrorType.SERVER_ERROR), (3, None)
+    ]
+    assert job.calls == 3
+
+
+def test_a_failing_step_fails_the_job_and_skips_the_rest(settings: Settings) -> None:
+    job, steps = run(settings, workflow=workflow(["a", "broken", "c"], [[], [0], [1]]))
+    assert job.status == JobStatus.FAILED
+    assert (job.error_type, job.error_step) == (ErrorType.SERVER_ERROR, 1)
+    assert [st.status for st in steps] == [StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.SKIPPED]
+    assert len(attempts(steps[1])) == settings.step_max_attempts  # retried up to the limit, then gave up
+    assert "gave up after" in (steps[1].error or "")
+
+
+def test_a_fatal_error_is_not_retried(settings: Settings) -> None:
+    job, [step] = run(settings, workflow=workflow(["refuses"], [[]]))
+    assert job.status == JobStatus.FAILED and job.error_type == ErrorType.BAD_REQUEST
+    assert [a.error_type for a in attempts(step)] == [ErrorType.BAD_REQUEST]
+
+
+def test_a_spent_budget_refuses_the_step_without_calling_its_agent(settings: Settings) -> None:
+    job, [step] = run(settings, workflow=workflow(["a"], [[]], ["x" * 4000]), limits={"max_tokens": 50})
+    assert job.status == JobStatus.FAILED and job.error_type == ErrorType.BUDGET_EXCEEDED
+    assert step.error_type == ErrorType.BUDGET_EXCEEDED and attempts(step) == [] and job.calls == 0
+
+
+def test_a_recursive_step_runs_a_child_job_and_resumes_its_parent(settings: Settings) -> None:
+    job, steps = run(settings, workflow=workflow(["a", "conductor", "b"], [[], [0], [1]]))
+    assert job.status == JobStatus.SUCCEEDED, (job.error_type, job.error_message)
+    child_id = steps[1].child_job_id
+    assert child_id is not None
+    child, child_steps = load(child_id)
+    assert child.status == JobStatus.SUCCEEDED and child.parent_job_id == job.id and child.depth == 1
+    assert steps[1].output == child.answer and child_steps
+    # The child saw what its parent step could see: step 0's turn.
+    assert any(m["content"] == "[a] part 0" for m in child.context or [])
+    assert job.answer == "[b] part 2"
+
+
+def test_a_failed_child_job_fails_its_parent_step(settings: Settings) -> None:
+    """The child inherits what is left of the token budget; its own step does not fit in it."""
+    job, steps = run(settings, task="x" * 4000, planner="template:single",
+                     workflow=workflow(["conductor"], [[]]), limits={"max_tokens": 50})
+    assert job.status == JobStatus.FAILED
+    assert steps[0].error_type == ErrorType.CHILD_JOB_FAILED and job.error_type == ErrorType.CHILD_JOB_FAILED
+    child, [child_step] = load(steps[0].child_job_id or "")
+    assert child.status == JobStatus.FAILED and child_step.error_type == ErrorType.BUDGET_EXCEEDED
+
+
+def test_cancel_stops_queued_steps_and_drops_later_work(settings: Settings) -> None:
+    job_id = submit(settings, workflow=workflow(["a", "b"], [[], [0]]))
+    first = plan_job(job_id, settings=settings)
+    assert first.steps == [(job_id, 0)]
+    assert cancel_job(job_id)
+    drain(first, settings)  # the message already sent for step 0 arrives after the cancel
+    job, steps = load(job_id)
+    assert job.status == JobStatus.CANCELLED and job.error_type == ErrorType.CANCELLED
+    assert [st.status for st in steps] == [StepStatus.CANCELLED, StepStatus.CANCELLED]
+    assert attempts(steps[0]) == [] and job.answer is None
+
+
+def test_a_duplicated_message_records_one_outcome(settings: Settings) -> None:
+    job_id = submit(settings, workflow=workflow(["a"], [[]]))
+    first = plan_job(job_id, settings=settings)
+    drain(Dispatch(steps=first.steps * 2), settings)  # the broker delivered the step twice
+    job, [step] = load(job_id)
+    assert job.status == JobStatus.SUCCEEDED and len(attempts(step)) == 1 and job.calls == 1

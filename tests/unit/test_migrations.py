@@ -1,0 +1,17 @@
+"""The migration history stays one line: parallel branches that each added a revision on the same
+parent would leave two heads, and `conductor migrate` (upgrade to "head") would refuse to run."""
+
+from __future__ import annotations
+
+from alembic.script import ScriptDirectory
+
+from conductor.migrations.migrate import alembic_config
+
+
+def test_one_head_and_every_revision_reachable_from_it() -> None:
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    heads = script.get_heads()
+    assert len(heads) == 1, f"migrations have several heads {heads}: set the newer one's down_revision"
+    reachable = {rev.revision for rev in script.walk_revisions("base", heads[0])}
+    every = {rev.revision for rev in script.walk_revisions()}
+    assert reachable == every

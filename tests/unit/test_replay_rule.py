@@ -1,0 +1,66 @@
+"""The replay reuse rule: which steps of a replayed workflow keep the original's outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conductor.replay import reusable
+from conductor.store.models import Step, StepStatus
+from conductor.workflow import Workflow
+
+
+def workflow(agents: list[str], access: list[Any]) -> Workflow:
+    pairs = enumerate(zip(agents, access, strict=True))
+    return Workflow.model_validate(
+        {"steps": [{"agent": a, "instruction": f"part {i}", "access_list": acc} for i, (a, acc) in pairs]}
+    )
+
+
+def original(wf: Workflow, failed: tuple[int, ...] = ()) -> dict[int, Step]:
+    return {
+        i: Step(id=100 + i, job_id="orig", index=i, agent=st.agent, instruction=st.instruction,
+                access_list=wf.resolved_access(i), output=f"out {i}",
+                status=StepStatus.FAILED if i in failed else StepStatus.SUCCEEDED)
+        for i, st in enumerate(wf.steps)
+    }
+
+
+# 0 <- 1 <- 2 <- 4, and 3 reads only 0: the shape of the integration test.
+ACCESS: list[Any] = [[], [0], [0, 1], [0], [2, 3]]
+BEFORE = workflow(["a", "b", "c", "d", "a"], ACCESS)
+
+
+def test_from_step_with_a_swapped_agent_reruns_only_what_depends_on_it() -> None:
+    after = workflow(["a", "b", "d", "d", "a"], ACCESS)
+    reused = reusable(after, original(BEFORE), from_step=2, unchanged_agent=lambda _: True)
+    assert sorted(reused) == [0, 1, 3]
+    assert [reused[i].id for i in (0, 1, 3)] == [100, 101, 103]
+
+
+def test_from_step_alone_reruns_that_step_even_unchanged() -> None:
+    assert sorted(reusable(BEFORE, original(BEFORE), from_step=3, unchanged_agent=lambda _: True)) == [0, 1, 2]
+
+
+def test_an_override_before_from_step_reruns_it_and_its_dependents() -> None:
+    after = workflow(["a", "c", "c", "d", "a"], ACCESS)
+    assert sorted(reusable(after, original(BEFORE), from_step=4, unchanged_agent=lambda _: True)) == [0, 3]
+
+
+def test_all_access_depends_on_every_earlier_step() -> None:
+    before = workflow(["a", "b", "c"], [[], [], "all"])
+    assert sorted(reusable(before, original(before), from_step=1, unchanged_agent=lambda _: True)) == [0]
+
+
+def test_a_step_that_did_not_succeed_runs_again_with_its_dependents() -> None:
+    reused = reusable(BEFORE, original(BEFORE, failed=(1,)), from_step=3, unchanged_agent=lambda _: True)
+    assert sorted(reused) == [0]
+
+
+def test_an_agent_whose_pool_entry_changed_runs_again() -> None:
+    reused = reusable(BEFORE, original(BEFORE), from_step=4, unchanged_agent=lambda agent: agent != "d")
+    assert sorted(reused) == [0, 1, 2]
+
+
+def test_a_replanned_workflow_reuses_only_matching_steps() -> None:
+    after = workflow(["a", "b", "c"], [[], [0], [0]])  # step 2 reads [0] now, not [0, 1]
+    assert sorted(reusable(after, original(BEFORE), from_step=4, unchanged_agent=lambda _: True)) == [0, 1]

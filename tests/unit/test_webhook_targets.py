@@ -1,0 +1,88 @@
+"""Which webhook targets the service will call (SSRF): public unicast addresses only."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from conductor.webhooks.targets import UnsafeTarget, address_problem, check_url, literal_address, resolve
+
+REFUSED = [
+    "http://169.254.169.254/latest/meta-data/",  # the cloud metadata service
+    "http://10.0.0.1/hook",
+    "http://172.16.5.4/hook",
+    "http://192.168.1.1/hook",
+    "http://127.0.0.1:8080/hook",
+    "http://[::1]/hook",
+    "http://0.0.0.0/hook",
+    "http://[::]/hook",
+    "http://224.0.0.1/hook",  # multicast
+    "http://100.64.0.1/hook",  # shared address space (carrier-grade NAT)
+    "http://[fe80::1]/hook",  # link-local
+    "http://[fd00::1]/hook",  # unique local
+    "http://[::ffff:10.0.0.1]/hook",  # IPv4-mapped private
+    "http://[::ffff:169.254.169.254]/hook",
+    "http://2130706433/hook",  # 127.0.0.1 as one decimal number
+    "http://0xa9.0xfe.0xa9.0xfe/hook",  # 169.254.169.254 in hex
+    "http://0251.0376.0251.0376/hook",  # ... and in octal
+    "http://10.1/hook",  # 10.0.0.1, short form
+    "http://localhost/hook",
+    "http://api.localhost/hook",
+    "http://metadata.google.internal/computeMetadata/v1/",
+    "http://printer.local/hook",
+]
+
+
+@pytest.mark.parametrize("url", REFUSED)
+def test_private_loopback_link_local_and_reserved_targets_are_refused(url: str) -> None:
+    with pytest.raises(UnsafeTarget, match="refused"):
+        check_url(url, allow_loopback=False)
+
+
+@pytest.mark.parametrize("url", ["https://hooks.example.com/conductor", "http://93.184.215.14/x",
+                                 "https://[2606:4700::1111]/x"])
+def test_public_targets_pass_the_submit_check(url: str) -> None:
+    check_url(url, allow_loopback=False)
+
+
+def test_allowing_loopback_admits_loopback_only() -> None:
+    for url in ("http://127.0.0.1:9/x", "http://[::1]/x", "http://localhost:8080/x", "http://127.1/x"):
+        check_url(url, allow_loopback=True)
+    for url in ("http://10.0.0.1/x", "http://169.254.169.254/x", "http://0.0.0.0/x", "http://192.168.0.1/x"):
+        with pytest.raises(UnsafeTarget):
+            check_url(url, allow_loopback=True)
+
+
+def test_legacy_ipv4_forms_are_read_as_the_address_a_resolver_would_use() -> None:
+    assert str(literal_address("2130706433")) == "127.0.0.1"
+    assert str(literal_address("0x7f.1")) == "127.0.0.1"
+    assert str(literal_address("[::1]")) == "::1"
+    assert literal_address("hooks.example.com") is None
+
+
+def test_a_name_resolving_to_any_unsafe_address_is_refused_at_send_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS can point a public-looking name at the metadata service; the send-time check sees through it."""
+    def fake_getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        assert host == "rebind.example.com"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.215.14", port)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("169.254.169.254", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    with pytest.raises(UnsafeTarget, match=r"rebind\.example\.com resolves to 169\.254\.169\.254"):
+        resolve("https://rebind.example.com/hook", allow_loopback=False)
+
+
+def test_send_time_target_pins_the_checked_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.215.14", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    target = resolve("https://hooks.example.com:8443/x", allow_loopback=False)
+    assert (target.scheme, target.host, target.port, str(target.address)) == (
+        "https", "hooks.example.com", 8443, "93.184.215.14")
+
+
+def test_problem_names_the_kind_of_address() -> None:
+    assert "link-local" in (address_problem(literal_address("169.254.169.254"), allow_loopback=False) or "")  # type: ignore[arg-type]
+    assert "private" in (address_problem(literal_address("10.0.0.1"), allow_loopback=False) or "")  # type: ignore[arg-type]
