@@ -42,21 +42,9 @@ def run(args: argparse.Namespace) -> Result:
     shapes: dict[str, list[list[list[int]]]] = {name: [deps] * repeat for name, deps in SHAPES.items()}
     shapes["random≤5"] = random_dags(repeat)
     write_pool("bench0", {"z": 0})
-    conductor: dict[str, dict[str, Any]] = {}
-    with services(api=False, pool=args.pool, concurrency=args.concurrency, code=args.code):
-        submit_direct([workflow([[]])], "bench0")  # warm the worker (imports, connections)
-        for name, dags in shapes.items():
-            hops: list[float] = []
-            e2e: list[float] = []
-            for deps in dags:
-                ids = submit_direct([workflow(deps)], "bench0")
-                wait_done(ids, timeout=120)
-                (job,) = job_times(ids)
-                assert job.status == "succeeded", (name, job)
-                hops += step_hops(job)
-                assert job.finished is not None
-                e2e.append(job.finished - job.created)
-            conductor[name] = {"hop": summary(hops), "e2e": summary(e2e)}
+    conductor = _conductor(shapes, args, {})
+    # The same DAGs with every ready step sent through the broker (no continuation in the worker's slot).
+    brokered = _conductor(shapes, args, {"CONDUCTOR_WORKER_CONTINUE_STEPS": "false"})
     floor = {name: _peer(lambda deps: peers.asyncio_hops(deps), dags) for name, dags in shapes.items()}
     celery: dict[str, Any] = {}
     graph: dict[str, Any] = {}
@@ -77,20 +65,44 @@ def run(args: argparse.Namespace) -> Result:
         c = conductor[name]
         rows.append([name, len(shapes[name][0]) if name != "random≤5" else "1-5",
                      c["hop"]["p50_ms"], c["hop"]["p99_ms"], c["e2e"]["p50_ms"], c["e2e"]["p99_ms"],
+                     brokered[name]["hop"]["p50_ms"], brokered[name]["e2e"]["p50_ms"],
                      *_cells(floor[name]), *_cells(celery.get(name)), *_cells(graph.get(name))])
     headers = ["shape", "steps", "CQ hop p50 ms", "CQ hop p99 ms", "CQ e2e p50 ms", "CQ e2e p99 ms",
+               "CQ brokered hop p50", "CQ brokered e2e p50",
                "asyncio hop p50", "asyncio e2e p50", "Celery hop p50", "Celery e2e p50",
                "LangGraph hop p50", "LangGraph e2e p50"]
-    notes = [f"{repeat} runs per shape; worker pool `{args.pool}` x{args.concurrency}; jobs run one at a time."]
+    notes = [f"{repeat} runs per shape; worker pool `{args.pool}` x{args.concurrency}; jobs run one at a time.",
+             "CQ: a worker runs one step its step made ready itself (the default); CQ brokered: every ready step "
+             "goes through the broker (`CONDUCTOR_WORKER_CONTINUE_STEPS=false`)."]
     if not args.peers:
         notes.append("Peers not run (`--no-peers`).")
     elif missing:
         notes.append(f"LangGraph: {missing}.")
     notes.append("Celery cannot express the random DAGs (or any non series-parallel graph) as one canvas: `—`.")
     markdown = table(headers, rows) + "\n\n" + "\n".join(notes)
-    data = {"conductor": conductor, "asyncio": floor, "celery": celery, "langgraph": graph or missing,
-            "repeat": repeat, "pool": args.pool, "concurrency": args.concurrency}
+    data = {"conductor": conductor, "conductor_brokered": brokered, "asyncio": floor, "celery": celery,
+            "langgraph": graph or missing, "repeat": repeat, "pool": args.pool, "concurrency": args.concurrency}
     return Result("overhead", _command(args), data, markdown)
+
+
+def _conductor(shapes: dict[str, list[list[list[int]]]], args: argparse.Namespace,
+               env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    with services(api=False, pool=args.pool, concurrency=args.concurrency, code=args.code, extra_env=env):
+        submit_direct([workflow([[]])], "bench0")  # warm the worker (imports, connections)
+        for name, dags in shapes.items():
+            hops: list[float] = []
+            e2e: list[float] = []
+            for deps in dags:
+                ids = submit_direct([workflow(deps)], "bench0")
+                wait_done(ids, timeout=120)
+                (job,) = job_times(ids)
+                assert job.status == "succeeded", (name, job)
+                hops += step_hops(job)
+                assert job.finished is not None
+                e2e.append(job.finished - job.created)
+            out[name] = {"hop": summary(hops), "e2e": summary(e2e)}
+    return out
 
 
 def _peer(fn: Any, dags: list[list[list[int]]]) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from sqlmodel import Session
 
 from conductor.chat import ChatRequestError, chat_job, completion, job_ref
 from conductor.engine import cancel_job
+from conductor.errors import Rejection
 from conductor.openai_wire import (
     BatchLineError,
     BatchOutputLine,
@@ -50,9 +51,9 @@ MAX_FILENAME_CHARS = 255
 class BatchFileError(ValueError):
     """An input file that cannot be used at all; ``line`` (1-based) names where, when one line is why."""
 
-    def __init__(self, message: str, *, code: str, line: int | None = None, status: int = 400):
+    def __init__(self, message: str, *, code: str, line: int | None = None, kind: Rejection = Rejection.MALFORMED):
         super().__init__(f"line {line}: {message}" if line is not None else message)
-        self.code, self.line, self.status = code, line, status
+        self.code, self.line, self.kind = code, line, kind
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def parse_input(content: bytes, settings: Settings) -> list[InputLine]:
     """The requests of a batch input file; refuses the file when it cannot be used as a whole."""
     if len(content) > settings.batch_max_file_bytes:
         raise BatchFileError(f"the file has {len(content)} bytes; the limit is {settings.batch_max_file_bytes}",
-                             code="file_too_large", status=413)
+                             code="file_too_large", kind=Rejection.TOO_LARGE)
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -89,7 +90,7 @@ def parse_input(content: bytes, settings: Settings) -> list[InputLine]:
             continue
         if len(lines) == settings.batch_max_lines:
             raise BatchFileError(f"more than {settings.batch_max_lines} requests; split the file",
-                                 code="too_many_requests", line=number, status=413)
+                                 code="too_many_requests", line=number, kind=Rejection.TOO_LARGE)
         item = _json_object(raw, number)
         custom_id = item.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:

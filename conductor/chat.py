@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from conductor.errors import Rejection
 from conductor.openai_wire import (
     AssistantMessage,
     ChatCompletion,
@@ -31,11 +32,11 @@ MODELS_CREATED = 1_767_225_600  # 2026-01-01: a fixed timestamp, the models are 
 
 
 class ChatRequestError(ValueError):
-    """A chat request that cannot become a job; ``param`` names the offending field."""
+    """A chat request that cannot become a job; ``param`` names the offending field, ``kind`` says why."""
 
-    def __init__(self, message: str, *, param: str, code: str, status: int = 400):
+    def __init__(self, message: str, *, param: str, code: str, kind: Rejection = Rejection.MALFORMED):
         super().__init__(message)
-        self.param, self.code, self.status = param, code, status
+        self.param, self.code, self.kind = param, code, kind
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def planner_for_model(model: str) -> str:
         f"The model '{model}' does not exist: use 'conductor' or 'conductor/<planner>' (GET /v1/models lists them)",
         param="model",
         code="model_not_found",
-        status=404,
+        kind=Rejection.NOT_FOUND,
     )
 
 

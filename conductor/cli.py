@@ -13,8 +13,9 @@ from typing import Any
 
 from conductor.planner_serve import add_arguments as add_planner_serve_arguments
 from conductor.settings import get_settings
+from conductor.statuses import JobStatus
 
-TERMINAL = ("succeeded", "failed", "cancelled")
+TERMINAL = JobStatus.TERMINAL
 
 
 class CliError(Exception):
@@ -449,7 +450,7 @@ def _wait_for_answer(client: Any, job_id: str) -> int:
         if job["status"] in TERMINAL:
             break
         time.sleep(0.5)
-    if job["status"] != "succeeded":
+    if job["status"] != JobStatus.SUCCEEDED:
         raise CliError(f"job {job_id} {job['status']}: {(job.get('error') or {}).get('message')}")
     print(job["answer"])
     return 0

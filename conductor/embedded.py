@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from conductor.settings import Settings, get_settings
+from conductor.statuses import JobStatus, StepStatus
 
 DB_FILE = "conductor.sqlite3"
 LOG_FILE = "conductor.log"
@@ -265,10 +266,10 @@ class Progress:
             if self.seen.steps.get(st.index) != st.status:
                 self.seen.steps[st.index] = st.status
                 self._step_changed(st)
-        running = [st for st in steps if st.status == "running"]
+        running = [st for st in steps if st.status == StepStatus.RUNNING]
         tokens_in = job.planner_input_tokens + sum(st.input_tokens for st in steps)
         tokens_out = job.planner_output_tokens + sum(st.output_tokens for st in steps)
-        if job.status == "planning":
+        if job.status == JobStatus.PLANNING:
             doing = f"planning with {_planner_name(job)}"
         elif running:
             doing = "running " + ", ".join(
@@ -284,7 +285,7 @@ class Progress:
 
     def _job_changed(self, job: Any, steps: list[Any]) -> None:
         self.seen.job_status = job.status
-        if job.status == "planning":
+        if job.status == JobStatus.PLANNING:
             self.line(f"planning with {_planner_name(job)} ...")
 
     def _planned(self, job: Any, steps: list[Any]) -> None:
@@ -306,16 +307,16 @@ class Progress:
             self.line(f"  [{st.index}] {st.agent} (sees {sees}): {_clip(st.instruction)}")
 
     def _step_changed(self, st: Any) -> None:
-        if st.status == "running":
+        if st.status == StepStatus.RUNNING:
             self.line(f"> step {st.index} running on {st.agent}")
-        elif st.status == "succeeded":
+        elif st.status == StepStatus.SUCCEEDED:
             secs = f"{st.latency_ms / 1000:.1f}s" if st.latency_ms is not None else "-"
             self.line(
                 f"+ step {st.index} done on {st.agent}: {secs}, {st.input_tokens} in / {st.output_tokens} out tokens"
             )
-        elif st.status == "failed":
+        elif st.status == StepStatus.FAILED:
             self.line(f"x step {st.index} failed on {st.agent}: {_clip(st.error or st.error_type or '')}")
-        elif st.status in ("skipped", "cancelled"):
+        elif st.status in (StepStatus.SKIPPED, StepStatus.CANCELLED):
             self.line(f"- step {st.index} {st.status}")
 
 
@@ -498,7 +499,6 @@ def _watch(job_id: str, err: TextIO, started: float, settings: Settings) -> Any:
     re-drives anything stalled (a lost message, a step whose worker thread died)."""
     from conductor.engine import cancel_job
     from conductor.reconcile import reconcile_once
-    from conductor.store.models import JobStatus
     from conductor.tasks.send import send
 
     progress = Progress(job_id, err, started)
@@ -545,7 +545,7 @@ def _report(job: Any, directory: Path, out: TextIO, err: TextIO, started: float)
         f"full trace: conductor trace {job.id} --data-dir {directory}\n"
         f"  (or: CONDUCTOR_DATABASE_URL={database_url(directory)} conductor trace {job.id})"
     )
-    if job.status != "succeeded":
+    if job.status != JobStatus.SUCCEEDED:
         print(summary, file=err)
         print(trace_hint, file=err)
         raise EmbeddedError(f"job {job.id} {job.status}: {job.error_message or job.error_type or 'no reason recorded'}")

@@ -11,6 +11,22 @@ from __future__ import annotations
 from enum import StrEnum
 
 
+class Rejection(StrEnum):
+    """Why a request was refused before anything was stored: the domain's words. Only ``conductor.service``
+    maps them to HTTP status codes (``service/problems.py``)."""
+
+    MALFORMED = "malformed"
+    """The request itself cannot be read (a bad header, a file that is not JSONL)."""
+    NOT_FOUND = "not_found"
+    """It names something that does not exist (a model)."""
+    CONFLICT = "conflict"
+    """It does not fit the current state of what it names (replaying a job that has not ended)."""
+    TOO_LARGE = "too_large"
+    """It passes a size limit."""
+    INVALID = "invalid"
+    """It is well formed but asks for something this service refuses (unknown pool, invalid workflow)."""
+
+
 class ErrorType(StrEnum):
     # the provider call failed
     PROVIDER_ERROR = "provider_error"  # any other provider failure

@@ -26,6 +26,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from sqlmodel import Session
 
+from conductor.errors import Rejection
 from conductor.planning.base import PlanResult
 from conductor.planning.planner import effective_limits
 from conductor.pool.config import PoolConfig, PoolError
@@ -67,7 +68,7 @@ def create_replay(
     """Validates the replay against the original and its pool and inserts the new job (not committed).
     ``admit`` (the API's per-tenant quotas) runs once the replay is known to be valid."""
     if original.status not in JobStatus.TERMINAL:
-        raise SubmissionError(409, "Job not finished", [FieldError(
+        raise SubmissionError(Rejection.CONFLICT, "Job not finished", [FieldError(
             ("path", "job_id"), f"job {original.id} is {original.status}; replay it once it has ended")])
     pool = _replay_pool(original, body.pool, settings)
     _, max_depth = effective_limits(original.limits.get("max_steps"), original.limits.get("max_depth"), settings)
@@ -79,7 +80,7 @@ def create_replay(
         if name not in agents
     ]
     if errors:
-        raise SubmissionError(422, "Unknown agent", errors)
+        raise SubmissionError(Rejection.INVALID, "Unknown agent", errors)
     overrides = {str(int(k)): v for k, v in body.agents.items()}
     workflow = None if body.replan else _original_workflow(session, original, body, overrides, pool, settings)
     if admit is not None:
@@ -112,7 +113,7 @@ def _replay_pool(original: Job, name: str | None, settings: Settings) -> PoolCon
     try:
         return resolve_pool(name, settings)
     except PoolError as exc:
-        raise SubmissionError(422, "Unknown pool", [FieldError(("body", "pool"), str(exc))]) from exc
+        raise SubmissionError(Rejection.INVALID, "Unknown pool", [FieldError(("body", "pool"), str(exc))]) from exc
 
 
 def _original_workflow(
@@ -122,13 +123,13 @@ def _original_workflow(
     """The original's workflow with the overrides applied, checked against the replay's pool."""
     steps = store.get_steps(session, job_id=original.id)
     if not steps:
-        raise SubmissionError(409, "No workflow to replay", [FieldError(
+        raise SubmissionError(Rejection.CONFLICT, "No workflow to replay", [FieldError(
             ("body", "replan"), f"job {original.id} ended before it had a workflow; replay it with replan: true")])
     beyond: list[tuple[str, ...]] = [("agents", key) for key in overrides if int(key) >= len(steps)]
     if body.from_step is not None and body.from_step >= len(steps):
         beyond.insert(0, ("from_step",))
     if beyond:
-        raise SubmissionError(422, "No such step", [
+        raise SubmissionError(Rejection.INVALID, "No such step", [
             FieldError(("body", *loc), f"the workflow has steps 0-{len(steps) - 1}") for loc in beyond])
     workflow = {"steps": [
         {"agent": overrides.get(str(st.index), st.agent), "instruction": st.instruction,
@@ -143,7 +144,7 @@ def _original_workflow(
                                                  *(len(st.instruction) for st in steps)),
                        allow_conductor=original.depth < max_depth, loc=("body", "workflow"))
     except WorkflowError as exc:
-        raise SubmissionError(422, "Workflow does not fit the pool", exc.errors) from exc
+        raise SubmissionError(Rejection.INVALID, "Workflow does not fit the pool", exc.errors) from exc
     return workflow
 
 

@@ -73,6 +73,11 @@ class Settings(BaseSettings):
     runs again), though a client may have already read a result that is then re-computed."""
     worker_task_events: bool = True
     """Celery task events from workers (what Flower shows); off trades that view for throughput."""
+    worker_continue_steps: bool = True
+    """A step worker runs one of the steps its step made ready itself, in the same task slot, instead of
+    sending it through the broker and waiting for a worker to take it (the rest are sent as usual). It
+    removes the broker round trip from every dependent hop; a crash in between is recovered like a lost
+    message (the step is ``queued`` in Postgres, and the reconciler re-sends it)."""
     worker_pool: Literal["threads", "prefork", "solo", "gevent"] = "threads"
     """``conductor worker``'s default Celery pool (``--pool`` overrides it)."""
     planning_stale_s: float = Field(default=60.0, gt=0)

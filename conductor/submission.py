@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
+from conductor.errors import Rejection
 from conductor.planning.planner import effective_limits
 from conductor.pool.config import PoolConfig, PoolError, check_planner_ref, load_pool, resolve_pool_path
 from conductor.settings import SHIPPED_POOLS_DIR, Settings
@@ -126,10 +127,10 @@ def unstorable(value: Any) -> str | None:
 
 
 class SubmissionError(ValueError):
-    """A request that cannot become a job; ``status`` is the HTTP status it maps to."""
+    """A request that cannot become a job; ``kind`` says why (the service maps it to an HTTP status)."""
 
-    def __init__(self, status: int, title: str, errors: list[FieldError]):
-        self.status = status
+    def __init__(self, kind: Rejection, title: str, errors: list[FieldError]):
+        self.kind = kind
         self.title = title
         self.errors = errors
         super().__init__(f"{title}: " + "; ".join(str(e) for e in errors))
@@ -173,29 +174,31 @@ def validate_request(body: JobCreate, settings: Settings, *, allow_pool_path: bo
     """Every check that can reject a request, before anything is stored."""
     if len(body.task) > settings.max_task_chars:
         raise SubmissionError(
-            413,
+            Rejection.TOO_LARGE,
             "Task too large",
             [FieldError(("body", "task"), f"{len(body.task)} characters; the limit is {settings.max_task_chars}")],
         )
     if len(json.dumps(body.metadata)) > settings.max_metadata_bytes:
         raise SubmissionError(
-            413, "Metadata too large", [FieldError(("body", "metadata"), f"over {settings.max_metadata_bytes} bytes")]
+            Rejection.TOO_LARGE, "Metadata too large",
+            [FieldError(("body", "metadata"), f"over {settings.max_metadata_bytes} bytes")],
         )
     try:
         pool = resolve_pool(body.pool, settings, local=allow_pool_path)
     except PoolError as exc:
-        raise SubmissionError(422, "Unknown pool", [FieldError(("body", "pool"), str(exc))]) from exc
+        raise SubmissionError(Rejection.INVALID, "Unknown pool", [FieldError(("body", "pool"), str(exc))]) from exc
     planner = body.planner or CONDUCTOR_AGENT
     try:
         check_planner_ref(planner, pool.agents)
     except ValueError as exc:
-        raise SubmissionError(422, "Unknown planner", [FieldError(("body", "planner"), str(exc))]) from exc
+        refused = [FieldError(("body", "planner"), str(exc))]
+        raise SubmissionError(Rejection.INVALID, "Unknown planner", refused) from exc
     if body.webhook_url is not None:
         try:
             check_url(str(body.webhook_url), allow_loopback=settings.webhook_allow_loopback)
         except UnsafeTarget as exc:
             refused = [FieldError(("body", "webhook_url"), str(exc))]
-            raise SubmissionError(422, "Webhook target refused", refused) from exc
+            raise SubmissionError(Rejection.INVALID, "Webhook target refused", refused) from exc
     if body.workflow is not None:
         max_steps, max_depth = effective_limits(body.limits.max_steps, body.limits.max_depth, settings)
         try:
@@ -208,7 +211,7 @@ def validate_request(body: JobCreate, settings: Settings, *, allow_pool_path: bo
                 loc=("body", "workflow"),
             )
         except WorkflowError as exc:
-            raise SubmissionError(422, "Invalid workflow", exc.errors) from exc
+            raise SubmissionError(Rejection.INVALID, "Invalid workflow", exc.errors) from exc
     return pool
 
 
@@ -235,7 +238,8 @@ def create_job(
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
             raise SubmissionError(
-                400, "Bad Idempotency-Key", [FieldError(("header", "Idempotency-Key"), "must be 1-255 characters")]
+                Rejection.MALFORMED, "Bad Idempotency-Key",
+                [FieldError(("header", "Idempotency-Key"), "must be 1-255 characters")],
             )
         existing = store.get_job_by_idempotency_key(session, tenant=tenant, key=idempotency_key)
         if existing is not None:

@@ -11,6 +11,7 @@ from typing import Any
 from conductor.evaluation.results import JobResult
 from conductor.evaluation.router import Router
 from conductor.evaluation.stats import mean, wilson_interval
+from conductor.statuses import JobStatus
 
 RESULTS_FILE = "results.jsonl"
 TABLE_FILE = "table.md"
@@ -62,7 +63,7 @@ def _row(planner: str, category: str, rs: list[JobResult]) -> Row:
         latency_s=mean([r.latency_s for r in rs]),
         steps_per_job=mean([float(r.steps) for r in rs]),
         invalid_workflows=sum(1 for r in rs if r.format_valid is False),
-        failed_jobs=sum(1 for r in rs if r.status != "succeeded"),
+        failed_jobs=sum(1 for r in rs if r.status != JobStatus.SUCCEEDED),
     )
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from conductor.errors import Rejection
 from conductor.quotas import QuotaExceeded
 from conductor.submission import IdempotencyConflict, SubmissionError
 
@@ -52,6 +53,20 @@ class Problem(Exception):
         self.status, self.title, self.detail, self.errors, self.headers = status, title, detail, errors, headers
 
 
+HTTP_STATUS: dict[Rejection, int] = {
+    Rejection.MALFORMED: 400,
+    Rejection.NOT_FOUND: 404,
+    Rejection.CONFLICT: 409,
+    Rejection.TOO_LARGE: 413,
+    Rejection.INVALID: 422,
+}
+"""The one place a domain refusal becomes an HTTP status."""
+
+
+def http_status(kind: Rejection) -> int:
+    return HTTP_STATUS[kind]
+
+
 def problem_response(status: int, title: str, detail: str = "", errors: list[dict[str, Any]] | None = None,
                      headers: dict[str, str] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"type": "about:blank", "title": title, "status": status, "detail": detail or title}
@@ -71,7 +86,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(SubmissionError)
     async def _submission(_: Request, exc: SubmissionError) -> JSONResponse:
-        return problem_response(exc.status, exc.title, str(exc), [e.as_dict() for e in exc.errors])
+        return problem_response(http_status(exc.kind), exc.title, str(exc), [e.as_dict() for e in exc.errors])
 
     @app.exception_handler(IdempotencyConflict)
     async def _idem(_: Request, exc: IdempotencyConflict) -> JSONResponse:

@@ -11,6 +11,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Column, Field, SQLModel
 
+from conductor.statuses import JobStatus as JobStatus  # re-exported: the store's callers import it here
+from conductor.statuses import StepStatus as StepStatus
+
 JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
 
 
@@ -48,27 +51,6 @@ def _json(default: Any = None, nullable: bool = True) -> Any:
     if default is None:
         return Field(default=None, sa_column=Column(JSONType, nullable=nullable))
     return Field(default_factory=default, sa_column=Column(JSONType, nullable=nullable))
-
-
-class JobStatus(StrEnum):
-    QUEUED = "queued"
-    PLANNING = "planning"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    TERMINAL = nonmember(frozenset({"succeeded", "failed", "cancelled"}))
-
-
-class StepStatus(StrEnum):
-    PENDING = "pending"  # waiting for its dependencies
-    QUEUED = "queued"  # dependencies done, message sent to the broker
-    RUNNING = "running"  # claimed by a worker (or waiting on its child job)
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    SKIPPED = "skipped"  # never ran because the job failed first
-    CANCELLED = "cancelled"
-    DONE = nonmember(frozenset({"succeeded", "failed", "skipped", "cancelled"}))
 
 
 class ApiKey(SQLModel, table=True):

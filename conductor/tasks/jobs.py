@@ -10,9 +10,9 @@ from typing import Any
 from celery import Task
 
 from conductor.engine import Dispatch, finalize_job, plan_job, run_step
-from conductor.settings import get_settings
-from conductor.tasks.app import FINALIZE_TASK, PLAN_TASK, RECONCILE_TASK, RUN_STEP_TASK, app
-from conductor.tasks.send import send
+from conductor.settings import Settings, get_settings
+from conductor.tasks.app import FINALIZE_TASK, PLAN_TASK, RECONCILE_TASK, RUN_STEP_TASK, STEPS_QUEUE, app
+from conductor.tasks.send import send, step_label
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +24,49 @@ def _worker_name(task: Task) -> str:
 
 @app.task(name=PLAN_TASK, bind=True)
 def plan(self: Task, job_id: str) -> None:
-    send(plan_job(job_id, settings=get_settings()))
+    _run_on(self, plan_job(job_id, settings=get_settings()))
 
 
 @app.task(name=RUN_STEP_TASK, bind=True)
 def run_step_task(self: Task, job_id: str, index: int) -> None:
-    outcome = run_step(job_id, index, worker=_worker_name(self), task_id=self.request.id, settings=get_settings())
-    send(outcome)
+    settings = get_settings()
+    _run_on(self, run_step(job_id, index, worker=_worker_name(self), task_id=self.request.id, settings=settings))
+
+
+def _run_on(task: Task, due: Dispatch) -> None:
+    """Sends what ``due`` names, except one ready step this worker can run itself: that one runs here, in
+    this task's slot, and so on down the chain (``Settings.worker_continue_steps``). Its siblings are sent
+    first, so parallel steps still start at once on any worker."""
+    settings = get_settings()
+    consumed = _consumed_queues(task)
+    while True:
+        mine = _step_to_continue(due, consumed, settings) if settings.worker_continue_steps else None
+        if mine is None:
+            send(due)
+            return
+        due.steps.remove(mine)
+        send(due)
+        job_id, index = mine
+        log.info("task %s continues with %s (made ready here; no message)", task.request.id,
+                 step_label(job_id, index, due.agents.get(mine)))
+        due = run_step(job_id, index, worker=_worker_name(task), task_id=task.request.id, settings=settings)
+
+
+def _consumed_queues(task: Task) -> set[str]:
+    """The queues this worker takes messages from (``-Q``; every declared queue when not narrowed)."""
+    return set(task.app.amqp.queues.consume_from)
+
+
+def _step_to_continue(due: Dispatch, consumed: set[str], settings: Settings) -> tuple[str, int] | None:
+    """The first ready step whose queue this worker consumes: running it here is what a worker of that
+    queue would do after taking its message."""
+    for key in due.steps:
+        agent = due.agents.get(key)
+        if agent is None and settings.step_queues:
+            continue  # its queue is unknown here: send it, and the sender looks it up
+        if settings.step_queues.get(agent or "", STEPS_QUEUE) in consumed:
+            return key
+    return None
 
 
 @app.task(name=FINALIZE_TASK, bind=True)

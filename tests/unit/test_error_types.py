@@ -108,3 +108,23 @@ def test_no_code_stores_a_class_name_or_a_bare_string_as_an_error_type() -> None
             if literal or class_name:
                 offenders.append(f"{path.relative_to(package.parent)}:{node.value.lineno}")
     assert offenders == []
+
+
+def test_every_rejection_has_one_http_status_and_only_the_service_knows_it() -> None:
+    from conductor.errors import Rejection
+    from conductor.service.problems import HTTP_STATUS
+
+    assert set(HTTP_STATUS) == set(Rejection)
+    assert all(400 <= code < 500 for code in HTTP_STATUS.values())
+    assert len(set(HTTP_STATUS.values())) == len(Rejection)  # each status means one thing
+    # Outside conductor/service, refusals carry a Rejection, never a number: no `status=4xx` keyword and
+    # no numeric first argument to the request errors. (conductor/pool is exempt: a provider error
+    # records the status the provider's HTTP API answered.)
+    root = Path(__file__).resolve().parents[2] / "conductor"
+    numeric = re.compile(r"(status=4\d\d|(SubmissionError|ChatRequestError|BatchFileError)\(\s*4\d\d)")
+    offenders = [
+        f"{path.relative_to(root)}:{n}"
+        for path in root.rglob("*.py") if not {"service", "pool"} & set(path.relative_to(root).parts)
+        for n, line in enumerate(path.read_text().splitlines(), start=1) if numeric.search(line)
+    ]
+    assert offenders == []

@@ -17,6 +17,7 @@ from conductor.batches import BatchFileError, store_input_file
 from conductor.openai_wire import FileList, FileObject, FilePurpose
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import OpenAIError, openai_errors
+from conductor.service.problems import http_status
 from conductor.store import batches as store
 from conductor.store.models import StoredFile
 from conductor.submission import unstorable
@@ -66,7 +67,7 @@ def upload_file(
     try:
         stored = store_input_file(session, tenant=tenant, filename=filename, content=content, settings=settings)
     except BatchFileError as exc:
-        raise OpenAIError(exc.status, str(exc), code=exc.code, param="file") from exc
+        raise OpenAIError(http_status(exc.kind), str(exc), code=exc.code, param="file") from exc
     session.commit()
     return file_object(stored)
 

@@ -33,6 +33,7 @@ from conductor.openai_wire import (
 from conductor.quotas import QuotaExceeded, admission, close_stream, open_stream, refresh_stream
 from conductor.service.deps import SettingsDep, TenantDep, resolve_tenant
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
+from conductor.service.problems import http_status
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
@@ -132,7 +133,7 @@ def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str
             raise OpenAIError(429, str(exc), code="rate_limit_exceeded", type="rate_limit_error",
                               headers={"Retry-After": exc.retry_after}) from exc
         except ChatRequestError as exc:
-            raise OpenAIError(exc.status, str(exc), code=exc.code, param=exc.param) from exc
+            raise OpenAIError(http_status(exc.kind), str(exc), code=exc.code, param=exc.param) from exc
         except SubmissionError as exc:
             if exc.title == "Unknown planner":
                 raise OpenAIError(404, f"The model '{body.model}' does not exist: {exc}", code="model_not_found",
