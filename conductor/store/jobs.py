@@ -6,13 +6,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import cache, lru_cache
 from typing import Any
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from conductor.errors import ErrorType
-from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus, utcnow
+from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus, UTCDateTime, utcnow
+
+# The tables, for the hot path's prebuilt Core statements (no ORM layer, built once per process).
+JOB: sa.Table = Job.__table__  # type: ignore[attr-defined]
+STEP: sa.Table = Step.__table__  # type: ignore[attr-defined]
+ATTEMPT: sa.Table = StepAttempt.__table__  # type: ignore[attr-defined]
 
 
 def get_job(session: Session, *, job_id: str, tenant: str | None = None) -> Job | None:
@@ -172,13 +178,20 @@ def mark_steps_queued(session: Session, *, job_id: str, indices: Sequence[int]) 
     dispatch): of two callers marking the same step, exactly one gets it back."""
     if not indices:
         return []
-    stmt = (
-        sa.update(Step)
-        .where(col(Step.job_id) == job_id, col(Step.index).in_(list(indices)), col(Step.status) == StepStatus.PENDING)
-        .values(status=StepStatus.QUEUED, queued_at=utcnow())
-        .returning(col(Step.index))
+    params = {"p_job_id": job_id, "p_indices": list(indices), "p_now": utcnow()}
+    return sorted(int(i) for i in session.execute(_mark_queued_stmt(), params).scalars())
+
+
+@cache
+def _mark_queued_stmt() -> sa.Update:
+    st = STEP
+    return (
+        sa.update(st)
+        .where(st.c.job_id == sa.bindparam("p_job_id"), st.c.index.in_(sa.bindparam("p_indices", expanding=True)),
+               st.c.status == StepStatus.PENDING)
+        .values(status=StepStatus.QUEUED, queued_at=sa.bindparam("p_now", type_=UTCDateTime()))
+        .returning(st.c.index)
     )
-    return sorted(int(i) for i in session.execute(stmt).scalars())
 
 
 WORKER_LOST = ErrorType.WORKER_LOST
@@ -203,11 +216,17 @@ def finish_attempt(
 ) -> None:
     """Closes an open attempt. Fenced: an attempt already closed (as ``WorkerLost`` when another worker
     took the step over) is not rewritten by the worker that lost it."""
-    session.execute(
-        sa.update(StepAttempt)
-        .where(col(StepAttempt.id) == attempt_id, col(StepAttempt.finished_at).is_(None))
-        .values(finished_at=utcnow(), latency_ms=latency_ms, error_type=error_type, error=error)
-    )
+    session.execute(_finish_attempt_stmt(), {"p_id": attempt_id, "p_now": utcnow(), "p_latency": latency_ms,
+                                             "p_error_type": error_type, "p_error": error})
+
+
+@cache
+def _finish_attempt_stmt() -> sa.Update:
+    a = ATTEMPT
+    return (sa.update(a).where(a.c.id == sa.bindparam("p_id"), a.c.finished_at.is_(None))
+            .values(finished_at=sa.bindparam("p_now", type_=UTCDateTime()), latency_ms=sa.bindparam("p_latency"),
+                    error_type=sa.bindparam("p_error_type", type_=sa.String()),
+                    error=sa.bindparam("p_error", type_=sa.Text())))
 
 
 USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd")
@@ -300,42 +319,50 @@ class StepInput:
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
     """The job's task, context, limits and pool, what its steps spent or hold reserved so far (the
     budgets count both), and this step's row."""
-    other = sa.orm.aliased(Step)
-    spent = sa.select(sa.func.coalesce(sa.func.sum(
-        col(other.input_tokens) + col(other.output_tokens) + col(other.reserved_tokens)), 0)).where(
-        col(other.job_id) == job_id).scalar_subquery()
-    spent_usd = sa.select(sa.func.coalesce(sa.func.sum(col(other.cost_usd) + col(other.reserved_usd)), 0.0)).where(
-        col(other.job_id) == job_id).scalar_subquery()
-    unstarted = sa.select(sa.func.count()).where(
-        col(other.job_id) == job_id, col(other.status).in_([StepStatus.PENDING, StepStatus.QUEUED])).scalar_subquery()
-    stmt = (
-        sa.select(
-            col(Job.status), col(Job.task), col(Job.context), col(Job.limits), col(Job.pool_config),
-            col(Job.created_at),
-            col(Job.planner_input_tokens) + col(Job.planner_output_tokens) + spent,
-            col(Job.planner_cost_usd) + spent_usd,
-            col(Step.agent), col(Step.instruction), col(Step.access_list), col(Job.tenant), unstarted,
-        )
-        .join(Step, sa.and_(col(Step.job_id) == col(Job.id), col(Step.index) == index))
-        .where(col(Job.id) == job_id)
-    )
-    row = session.execute(stmt).first()
+    row = session.execute(_read_step_input_stmt(), {"p_job_id": job_id, "p_index": index}).first()
     if row is None:
         return None
     return StepInput(row[0], row[1], row[2], row[3] or {}, row[4] or {}, row[5], int(row[6]), float(row[7]),
                      row[8], row[9], list(row[10] or []), row[11], int(row[12]))
 
 
+@cache
+def _read_step_input_stmt() -> sa.Select[Any]:
+    j, st, other = JOB, STEP, STEP.alias("other")
+    job_id = sa.bindparam("p_job_id", type_=sa.String())
+    mine = other.c.job_id == job_id
+    spent = sa.select(sa.func.coalesce(sa.func.sum(
+        other.c.input_tokens + other.c.output_tokens + other.c.reserved_tokens), 0)).where(mine).scalar_subquery()
+    spent_usd = sa.select(sa.func.coalesce(sa.func.sum(other.c.cost_usd + other.c.reserved_usd), 0.0)).where(
+        mine).scalar_subquery()
+    unstarted = sa.select(sa.func.count()).where(
+        mine, other.c.status.in_([StepStatus.PENDING, StepStatus.QUEUED])).scalar_subquery()
+    return (
+        sa.select(
+            j.c.status, j.c.task, j.c.context, j.c.limits, j.c.pool_config, j.c.created_at,
+            j.c.planner_input_tokens + j.c.planner_output_tokens + spent,
+            j.c.planner_cost_usd + spent_usd,
+            st.c.agent, st.c.instruction, st.c.access_list, j.c.tenant, unstarted,
+        )
+        .select_from(j.join(st, sa.and_(st.c.job_id == j.c.id, st.c.index == sa.bindparam("p_index"))))
+        .where(j.c.id == job_id)
+    )
+
+
 def visible_outputs(session: Session, *, job_id: str, indices: Sequence[int]) -> list[tuple[str, str]]:
     """(subtask, answer) of each listed step, in step order."""
     if not indices:
         return []
-    rows = session.execute(
-        sa.select(col(Step.instruction), col(Step.output))
-        .where(col(Step.job_id) == job_id, col(Step.index).in_(list(indices)))
-        .order_by(col(Step.index))
-    )
+    rows = session.execute(_visible_outputs_stmt(), {"p_job_id": job_id, "p_indices": list(indices)})
     return [(r[0], r[1] or "") for r in rows]
+
+
+@cache
+def _visible_outputs_stmt() -> sa.Select[Any]:
+    st = STEP
+    return (sa.select(st.c.instruction, st.c.output)
+            .where(st.c.job_id == sa.bindparam("p_job_id"), st.c.index.in_(sa.bindparam("p_indices", expanding=True)))
+            .order_by(st.c.index))
 
 
 @dataclass(frozen=True)
@@ -360,41 +387,57 @@ def claim_step_row(
     job runs. ``owner`` is unique per claim: the fencing token every later write of this claim checks.
     The same owner may claim again (a retried transaction whose commit did land)."""
     now = utcnow()
-    claimable = sa.or_(
-        col(Step.status) == StepStatus.QUEUED,
-        sa.and_(
-            col(Step.status) == StepStatus.RUNNING,
-            col(Step.child_job_id).is_(None),
-            sa.or_(col(Step.lease_expires_at) < now, col(Step.lease_owner) == owner),
-        ),
-    )
-    job_running = sa.exists().where(col(Job.id) == job_id, col(Job.status) == JobStatus.RUNNING)
-    stmt = (
-        sa.update(Step)
-        .where(col(Step.job_id) == job_id, col(Step.index) == index, claimable, job_running)
-        .values(
-            status=StepStatus.RUNNING,
-            lease_owner=owner,
-            lease_expires_at=now + timedelta(seconds=lease_s),
-            started_at=sa.func.coalesce(col(Step.started_at), now),
-            celery_task_id=task_id,
-            attempts=col(Step.attempts) + (1 if count_attempt else 0),
-            **values,
-        )
-        .returning(col(Step.id), col(Step.attempts))
-    )
-    row = session.execute(stmt).first()
+    params = {"p_job_id": job_id, "p_index": index, "p_owner": owner, "p_now": now,
+              "p_expires": now + timedelta(seconds=lease_s), "p_task_id": task_id,
+              **{f"v_{k}": v for k, v in values.items()}}
+    row = session.execute(_claim_stmt(tuple(sorted(values)), count_attempt), params).first()
     if row is None:
         return None
     return ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - (1 if count_attempt else 0))
 
 
+@lru_cache(maxsize=32)
+def _claim_stmt(keys: tuple[str, ...], count_attempt: bool) -> sa.Update:
+    """Built once per set of extra columns: the hot path executes prebuilt statements (building one costs
+    more CPU than running it)."""
+    st, j = STEP, JOB
+    now = sa.bindparam("p_now", type_=UTCDateTime())
+    owner = sa.bindparam("p_owner", type_=sa.String())
+    claimable = sa.or_(
+        st.c.status == StepStatus.QUEUED,
+        sa.and_(st.c.status == StepStatus.RUNNING, st.c.child_job_id.is_(None),
+                sa.or_(st.c.lease_expires_at < now, st.c.lease_owner == owner)),
+    )
+    job_id = sa.bindparam("p_job_id", type_=sa.String())
+    job_running = sa.exists().where(j.c.id == job_id, j.c.status == JobStatus.RUNNING)
+    return (
+        sa.update(st)
+        .where(st.c.job_id == job_id, st.c.index == sa.bindparam("p_index"), claimable, job_running)
+        .values(
+            status=StepStatus.RUNNING,
+            lease_owner=owner,
+            lease_expires_at=sa.bindparam("p_expires", type_=UTCDateTime()),
+            started_at=sa.func.coalesce(st.c.started_at, now),
+            celery_task_id=sa.bindparam("p_task_id", type_=sa.String()),
+            attempts=st.c.attempts + (1 if count_attempt else 0),
+            **{k: sa.bindparam(f"v_{k}", type_=st.c[k].type) for k in keys},
+        )
+        .returning(st.c.id, st.c.attempts)
+    )
+
+
 def open_attempt(session: Session, *, step_id: int, n: int, worker: str) -> int:
     """Inserts attempt ``n`` (already counted on the step); returns its id."""
-    return int(session.execute(
-        sa.insert(StepAttempt).values(step_id=step_id, n=n, worker=worker, started_at=utcnow())
-        .returning(col(StepAttempt.id))
-    ).scalar_one())
+    return int(session.execute(_open_attempt_stmt(), {"p_step_id": step_id, "p_n": n, "p_worker": worker,
+                                                        "p_now": utcnow()}).scalar_one())
+
+
+@cache
+def _open_attempt_stmt() -> sa.Insert:
+    a = ATTEMPT
+    return sa.insert(a).values(
+        step_id=sa.bindparam("p_step_id"), n=sa.bindparam("p_n"), worker=sa.bindparam("p_worker"),
+        started_at=sa.bindparam("p_now", type_=UTCDateTime())).returning(a.c.id)
 
 
 def next_attempt(session: Session, *, step_id: int, owner: str, n: int, lease_s: float) -> int | None:
@@ -432,14 +475,16 @@ def lock_job(session: Session, *, job_id: str) -> JobHead | None:
     one job recording at once are serialized: of two parents of a join finishing together, the second
     sees the first. SQLite has no row locks; its first write takes the database lock, which serializes
     the same way (embedded mode is one process)."""
-    row = session.execute(
-        sa.select(col(Job.id), col(Job.status), col(Job.created_at), col(Job.parent_job_id),
-                  col(Job.parent_step_index), col(Job.planner_input_tokens), col(Job.planner_output_tokens),
-                  col(Job.planner_cost_usd), col(Job.planner_calls))
-        .where(col(Job.id) == job_id)
-        .with_for_update()
-    ).first()
+    row = session.execute(_lock_job_stmt(), {"p_job_id": job_id}).first()
     return JobHead(*row) if row is not None else None
+
+
+@cache
+def _lock_job_stmt() -> sa.Select[Any]:
+    j = JOB
+    return (sa.select(j.c.id, j.c.status, j.c.created_at, j.c.parent_job_id, j.c.parent_step_index,
+                      j.c.planner_input_tokens, j.c.planner_output_tokens, j.c.planner_cost_usd, j.c.planner_calls)
+            .where(j.c.id == sa.bindparam("p_job_id")).with_for_update())
 
 
 def record_step(session: Session, *, step_id: int, owner: str, to: str, **values: Any) -> bool:
@@ -447,17 +492,24 @@ def record_step(session: Session, *, step_id: int, owner: str, to: str, **values
     retried transaction whose first commit landed), False when the step was cancelled or taken over.
     Usage is added to what the step already carries (a call of a worker that lost the step was paid for
     too: ``add_unrecorded_usage``), once: only by the update that ends the step."""
-    running = col(Step.status) == StepStatus.RUNNING
-    usage = {getattr(Step, k): sa.case((running, getattr(Step, k) + values.pop(k)), else_=getattr(Step, k))
-             for k in USAGE_COLUMNS if k in values}
-    stmt = (
-        sa.update(Step)
-        .where(col(Step.id) == step_id, col(Step.lease_owner) == owner,
-               col(Step.status).in_([StepStatus.RUNNING, to]))
-        .values(usage)
-        .values(status=to, finished_at=utcnow(), lease_expires_at=None, **RELEASED, **values)
+    params = {"p_step_id": step_id, "p_owner": owner, "p_now": utcnow(), **{f"v_{k}": v for k, v in values.items()}}
+    return _rowcount(session.execute(_record_stmt(str(to), tuple(sorted(values))), params)) == 1
+
+
+@lru_cache(maxsize=32)
+def _record_stmt(to: str, keys: tuple[str, ...]) -> sa.Update:
+    st = STEP
+    running = st.c.status == StepStatus.RUNNING
+    usage = {k: sa.case((running, st.c[k] + sa.bindparam(f"v_{k}", type_=st.c[k].type)), else_=st.c[k])
+             for k in USAGE_COLUMNS if k in keys}
+    rest = {k: sa.bindparam(f"v_{k}", type_=st.c[k].type) for k in keys if k not in USAGE_COLUMNS}
+    return (
+        sa.update(st)
+        .where(st.c.id == sa.bindparam("p_step_id"), st.c.lease_owner == sa.bindparam("p_owner", type_=sa.String()),
+               st.c.status.in_([StepStatus.RUNNING, to]))
+        .values(status=to, finished_at=sa.bindparam("p_now", type_=UTCDateTime()), lease_expires_at=None,
+                **RELEASED, **usage, **rest)
     )
-    return _rowcount(session.execute(stmt)) == 1
 
 
 @dataclass(frozen=True)
@@ -477,14 +529,16 @@ class StepHead:
 
 
 def step_heads(session: Session, *, job_id: str) -> list[StepHead]:
-    rows = session.execute(
-        sa.select(col(Step.index), col(Step.status), col(Step.access_list), col(Step.agent), col(Step.attempts),
-                  col(Step.input_tokens), col(Step.output_tokens), col(Step.cost_usd), col(Step.error_type),
-                  col(Step.error))
-        .where(col(Step.job_id) == job_id)
-        .order_by(col(Step.index))
-    )
+    rows = session.execute(_step_heads_stmt(), {"p_job_id": job_id})
     return [StepHead(r[0], r[1], list(r[2] or []), r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in rows]
+
+
+@cache
+def _step_heads_stmt() -> sa.Select[Any]:
+    st = STEP
+    return (sa.select(st.c.index, st.c.status, st.c.access_list, st.c.agent, st.c.attempts, st.c.input_tokens,
+                      st.c.output_tokens, st.c.cost_usd, st.c.error_type, st.c.error)
+            .where(st.c.job_id == sa.bindparam("p_job_id")).order_by(st.c.index))
 
 
 def step_output(session: Session, *, job_id: str, index: int) -> str | None:
