@@ -1,5 +1,6 @@
 """``python -m bench NAME``: run one benchmark (or ``all``), write its JSON and its table.
 
+    python -m bench engine              # run_step in process: wall, CPU and SQL statements per step
     python -m bench overhead            # per-hop p50/p99 vs asyncio, bare Celery, LangGraph
     python -m bench throughput          # steps/s and jobs/s with 0 ms workers
     python -m bench makespan            # makespan / critical path with 1 s workers
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from bench.env import ROOT, publish
 
-NAMES = ("overhead", "throughput", "makespan", "concurrency", "api", "tokens")
+NAMES = ("engine", "overhead", "throughput", "makespan", "concurrency", "api", "tokens")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -403,7 +404,8 @@ def profiled(pid: int, seconds: float, out: Path | None) -> Iterator[dict[str, A
     proc = None
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # the venv's, off PATH
+        proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
                                  "--rate", "200", "--format", "raw", "--output", str(out), "--nonblocking"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -30,13 +30,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=200)
     p.add_argument("--shape", default="fanout4+1", choices=sorted(SHAPES))
     p.add_argument("--profile", action="store_true", help="py-spy the worker while it runs")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (one per core uses every core)")
 
 
 def run(args: argparse.Namespace) -> Result:
     jobs = 5 if args.quick else args.jobs
     deps = SHAPES[args.shape]
     write_pool("bench0", {"z": 0})
-    with services(api=False, pool=args.pool, concurrency=args.concurrency, code=args.code) as svc:
+    with services(api=False, workers=args.workers, pool=args.pool, concurrency=args.concurrency,
+                  code=args.code) as svc:
         wait_done(submit_direct([workflow([[]])], "bench0"))  # warm up
         pids = process_tree(svc.worker_pids)
         pg = postgres_pids()
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> Result:
     rows = [[args.shape, jobs, steps, round(window, 2), round(steps / window, 1), round(jobs / window, 1),
              f"{worker_cpu:.0%}", f"{pg_cpu:.0%}"]]
     md = table(["shape", "jobs", "steps", "window s", "steps/s", "jobs/s", "worker CPU", "Postgres CPU"], rows)
-    md += (f"\n\nOne worker process, pool `{args.pool}` x{args.concurrency}; jobs submitted from the benchmark "
+    procs = f"{args.workers} worker process{'es' if args.workers != 1 else ''}"
+    md += (f"\n\n{procs}, each pool `{args.pool}` x{args.concurrency}; jobs submitted from the benchmark "
            f"process (no HTTP); window = first job created → last job finished. CPU is the share of one core "
            f"used while the jobs ran (of {_cores()} cores on the machine); Postgres CPU counts only the backends "
            f"alive at both ends of the window, an underestimate.")
@@ -70,8 +73,10 @@ def run(args: argparse.Namespace) -> Result:
         md += "\n\nHottest functions: " + "; ".join(f"`{k}` {v}%" for k, v in profile["top_functions"][:5])
     data = {"shape": args.shape, "jobs": jobs, "steps": steps, "window_s": window, "steps_per_s": steps / window,
             "jobs_per_s": jobs / window, "worker_cpu_share": worker_cpu, "postgres_cpu_share": pg_cpu,
-            "failed": len(failed), "profile": profile, "pool": args.pool, "concurrency": args.concurrency}
-    cmd = f"python -m bench throughput --jobs {args.jobs} --shape {args.shape} --pool {args.pool} " \
+            "failed": len(failed), "profile": profile, "workers": args.workers, "pool": args.pool,
+            "concurrency": args.concurrency}
+    cmd = f"python -m bench throughput --jobs {args.jobs} --shape {args.shape} --workers {args.workers} " \
+          f"--pool {args.pool} " \
           f"--concurrency {args.concurrency}" + (" --profile" if args.profile else "")
     return Result("throughput", cmd if not args.quick else "python -m bench throughput --quick", data, md)
 

@@ -59,7 +59,13 @@ def resolve_tenant(session: Session, settings: Settings, authorization: str | No
 def tenant_dep(
     session: SessionDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
 ) -> str:
-    return resolve_tenant(session, settings, authorization)
+    tenant = resolve_tenant(session, settings, authorization)
+    # End the lookup's transaction now: its connection goes back to the pool instead of being held while
+    # the request waits for a thread to run its endpoint. Held, a burst of requests that passed
+    # authentication pinned every pooled connection while new ones waited for one on every thread: the
+    # API stalled until the pool timeout (docs/benchmarks.md, api).
+    session.commit()
+    return tenant
 
 
 TenantDep = Annotated[str, Depends(tenant_dep)]

@@ -13,9 +13,10 @@ import pytest
 
 from tests.integration.harness import ROOT
 
-NAMES = ["overhead", "throughput", "makespan", "concurrency", "api", "tokens"]
+NAMES = ["engine", "overhead", "throughput", "makespan", "concurrency", "api", "tokens"]
 EXPECTED_KEYS = {
-    "overhead": {"conductor", "asyncio", "celery", "langgraph"},
+    "engine": {"wall_ms_per_step", "cpu_ms_per_step", "statements_per_step"},
+    "overhead": {"conductor", "conductor_brokered", "asyncio", "celery", "langgraph"},
     "throughput": {"steps_per_s", "jobs_per_s", "window_s", "failed"},
     "makespan": {"shapes", "latency_ms"},
     "concurrency": {"peak_in_flight", "wall_s", "peak_rss_bytes", "succeeded"},
