@@ -64,12 +64,21 @@ class ApiKey(SQLModel, table=True):
     revoked_at: datetime | None = _ts()
 
 
+IN_FLIGHT_SQL = "parent_job_id IS NULL AND status IN ('queued', 'planning', 'running')"
+"""A top-level job that has not ended, as SQL with literal statuses: a partial index serves a query only
+when the planner can match its predicate, which a bound parameter would prevent."""
+
+
 class Job(SQLModel, table=True):
     __tablename__ = "job"
     __table_args__ = (
         sa.UniqueConstraint("tenant", "idempotency_key", name="uq_job_tenant_idempotency_key"),
         sa.Index("ix_job_status_updated", "status", "updated_at"),
         sa.Index("ix_job_tenant_created_id", "tenant", "created_at", "id"),  # GET /v1/jobs pages by these
+        # The per-tenant in-flight quota counts these under its lock: only unfinished top-level jobs are in
+        # the index, so the count does not grow with a tenant's history.
+        sa.Index("ix_job_tenant_in_flight", "tenant", postgresql_where=sa.text(IN_FLIGHT_SQL),
+                 sqlite_where=sa.text(IN_FLIGHT_SQL)),
     )
 
     id: str = Field(default_factory=new_id, primary_key=True)

@@ -15,3 +15,13 @@ def test_one_head_and_every_revision_reachable_from_it() -> None:
     reachable = {rev.revision for rev in script.walk_revisions("base", heads[0])}
     every = {rev.revision for rev in script.walk_revisions()}
     assert reachable == every
+
+
+def test_the_in_flight_index_covers_exactly_the_unfinished_statuses() -> None:
+    import re
+
+    from conductor.statuses import JobStatus
+    from conductor.store.models import IN_FLIGHT_SQL
+
+    listed = set(re.findall(r"'([a-z_]+)'", IN_FLIGHT_SQL))
+    assert listed == {s.value for s in JobStatus} - set(JobStatus.TERMINAL)
