@@ -2,20 +2,44 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = Path(os.environ.get("CONDUCTOR_TEST_LOGS", "/tmp/conductor-test-logs"))
 TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@contextmanager
+def agent_queue(monkeypatch: pytest.MonkeyPatch, agent: str, queue: str) -> Iterator[dict[str, str]]:
+    """This process routes ``agent``'s steps to ``queue`` (``CONDUCTOR_STEP_QUEUES``) until the block ends;
+    then the setting is restored and the queue's leftover messages are dropped. Yields the mapping, for
+    the environment of a worker started on that queue."""
+    import redis
+
+    from conductor.settings import get_settings
+
+    mapping = {agent: queue}
+    monkeypatch.setenv("CONDUCTOR_STEP_QUEUES", json.dumps(mapping))
+    get_settings.cache_clear()
+    try:
+        yield mapping
+    finally:
+        monkeypatch.delenv("CONDUCTOR_STEP_QUEUES")
+        get_settings.cache_clear()
+        redis.Redis.from_url(get_settings().broker_url).delete(queue)
 
 
 def free_port() -> int:

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 
 from conductor.engine import plan_job
 from conductor.settings import get_settings
@@ -23,20 +22,15 @@ from conductor.store.db import session_scope
 from conductor.store.models import JobStatus
 from conductor.submission import JobCreate, create_job
 from conductor.tasks.send import send
-from tests.integration.harness import start_worker
+from tests.integration.harness import agent_queue, start_worker
 
 QUEUE = "steps-continue-c"
 
 
 @pytest.fixture
 def step_queues(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    mapping = {"c": QUEUE}
-    monkeypatch.setenv("CONDUCTOR_STEP_QUEUES", json.dumps(mapping))
-    get_settings.cache_clear()
-    yield mapping
-    monkeypatch.delenv("CONDUCTOR_STEP_QUEUES")
-    get_settings.cache_clear()
-    redis.Redis.from_url(get_settings().broker_url).delete(QUEUE)
+    with agent_queue(monkeypatch, "c", QUEUE) as mapping:
+        yield mapping
 
 
 def _run(agents: list[str]) -> tuple[str, list[Any], list[Any]]:

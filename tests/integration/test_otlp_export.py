@@ -11,7 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-import redis
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from conductor.engine import plan_job
@@ -19,7 +18,7 @@ from conductor.settings import get_settings
 from conductor.store.db import session_scope
 from conductor.submission import JobCreate, create_job
 from conductor.tasks.send import send
-from tests.integration.harness import free_port, start_worker
+from tests.integration.harness import agent_queue, free_port, start_worker
 
 QUEUE = "steps-obs-otel"
 
@@ -52,13 +51,8 @@ def collector() -> Iterator[str]:
 @pytest.fixture
 def own_queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     """The job's one step goes to a queue only the tracing worker consumes (the session's workers don't trace)."""
-    mapping = {"c": QUEUE}
-    monkeypatch.setenv("CONDUCTOR_STEP_QUEUES", json.dumps(mapping))
-    get_settings.cache_clear()
-    yield mapping
-    monkeypatch.delenv("CONDUCTOR_STEP_QUEUES")
-    get_settings.cache_clear()
-    redis.Redis.from_url(get_settings().broker_url).delete(QUEUE)
+    with agent_queue(monkeypatch, "c", QUEUE) as mapping:
+        yield mapping
 
 
 def test_a_worker_exports_the_finished_jobs_trace_over_otlp(

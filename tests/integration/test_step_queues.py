@@ -19,20 +19,15 @@ from conductor.store.db import session_scope
 from conductor.store.models import JobStatus, StepStatus, utcnow
 from conductor.submission import JobCreate, create_job
 from conductor.tasks.send import send
-from tests.integration.harness import start_worker
+from tests.integration.harness import agent_queue, start_worker
 
 QUEUE = "steps-obs-b"
 
 
 @pytest.fixture
 def step_queues(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    mapping = {"b": QUEUE}
-    monkeypatch.setenv("CONDUCTOR_STEP_QUEUES", json.dumps(mapping))
-    get_settings.cache_clear()
-    yield mapping
-    monkeypatch.delenv("CONDUCTOR_STEP_QUEUES")
-    get_settings.cache_clear()
-    redis.Redis.from_url(get_settings().broker_url).delete(QUEUE)
+    with agent_queue(monkeypatch, "b", QUEUE) as mapping:
+        yield mapping
 
 
 def test_an_agents_steps_wait_in_its_queue_for_its_workers(
