@@ -73,6 +73,11 @@ class Settings(BaseSettings):
     runs again), though a client may have already read a result that is then re-computed."""
     worker_task_events: bool = True
     """Celery task events from workers (what Flower shows); off trades that view for throughput."""
+    task_sent_events: bool = False
+    """A ``task-sent`` event per message published (the API's plan messages, a worker's step messages), so
+    Flower lists a task while it still waits in the queue. Off by default: each is one more broker publish
+    (about a tenth of the API's CPU per submit, docs/benchmarks.md); Flower shows a task from the moment a
+    worker receives it either way, and its Broker tab the queue lengths."""
     worker_continue_steps: bool = True
     """A step worker runs one of the steps its step made ready itself, in the same task slot, instead of
     sending it through the broker and waiting for a worker to take it (the rest are sent as usual). It

@@ -20,7 +20,7 @@ from conductor.planning.planner import effective_limits
 from conductor.pool.config import PoolConfig, PoolError, check_planner_ref, load_pool, resolve_pool_path
 from conductor.settings import SHIPPED_POOLS_DIR, Settings
 from conductor.store import jobs as store
-from conductor.store.models import Job
+from conductor.store.models import Job, utcnow
 from conductor.store.webhooks import default_webhook_url
 from conductor.webhooks.targets import UnsafeTarget, check_url
 from conductor.workflow import CONDUCTOR_AGENT, FieldError, WorkflowError, parse_workflow
@@ -226,6 +226,7 @@ def create_job(
     context: list[dict[str, Any]] | None = None,
     admit: Callable[[Session], None] | None = None,
     batch_id: str | None = None,
+    publishing: bool = False,
 ) -> tuple[Job, bool]:
     """Validates and inserts the job (not yet committed). Returns (job, created); with a repeated
     Idempotency-Key and the same body, the earlier job and False.
@@ -233,7 +234,10 @@ def create_job(
     ``context`` is prior conversation (chat completions: the turns before the last user message);
     ``batch_id`` links the job to the batch whose line it is.
     ``admit`` (the API's quotas) runs after validation, only for a request that would create a job,
-    and may raise to refuse it."""
+    and may raise to refuse it.
+    ``publishing``: the caller sends the plan message right after its commit
+    (``enqueue_plan(job.id, recorded=True)``), so ``enqueued_at`` is written with the row instead of in a
+    transaction of its own; should that send fail, ``enqueue_plan`` clears it again."""
     digest = request_hash(body)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
@@ -245,8 +249,6 @@ def create_job(
         if existing is not None:
             return _replayed(existing, digest)
     pool = validate_request(body, settings, allow_pool_path=allow_pool_path)
-    if admit is not None:
-        admit(session)
     job = Job(
         tenant=tenant,
         task=body.task,
@@ -261,10 +263,12 @@ def create_job(
         request_hash=digest,
         context=context or None,
         batch_id=batch_id,
+        enqueued_at=utcnow() if publishing else None,
     )
-    session.add(job)
+    if admit is not None:  # last before the insert: the in-flight quota holds the tenant's lock until commit
+        admit(session)
     try:
-        session.flush()
+        store.insert_job(session, job=job)
     except IntegrityError:
         # Two requests with one key raced; the other one committed first.
         session.rollback()

@@ -75,7 +75,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
         # off, a busy worker takes about twice the steps/s (docs/benchmarks.md), and a running Flower
         # switches them on again every few seconds.
         "worker_send_task_events": settings.worker_task_events,
-        "task_send_sent_event": True,
+        "task_send_sent_event": settings.task_sent_events,
         "beat_schedule": {
             # On its own queue a pass does not wait behind steps. One that still finds no consumer for a
             # few intervals (none is up) is dropped rather than piled up: the next one does its work.

@@ -87,12 +87,31 @@ def send_webhooks_of(job_id: str) -> None:
         log.warning("webhook of job %s not yet enqueued (%s); the reconciler will send it", job_id, type(exc).__name__)
 
 
-def enqueue_plan(job_id: str) -> bool:
-    """Used by the API after the job row is committed; False when the broker is unreachable."""
+def enqueue_plan(job_id: str, *, recorded: bool = False) -> bool:
+    """Used by the API after the job row is committed; False when the broker is unreachable.
+
+    ``recorded``: the row was inserted with ``enqueued_at`` already set (``create_job(publishing=True)``),
+    so only the message is sent here; if it cannot be, ``enqueued_at`` is cleared so that the reconciler
+    sends the job within ``ENQUEUE_GRACE_S``. Should this process die between the commit and the send,
+    the job looks sent and is re-sent as a lost message, within ``reconcile_stale_s`` plus an interval."""
     try:
-        send(Dispatch(plan=[job_id]))
+        if recorded:
+            app.send_task(PLAN_TASK, (job_id,), argsrepr=f"job={job_id}")
+        else:
+            send(Dispatch(plan=[job_id]))
     except Exception as exc:  # any broker/connection failure: the outbox (reconciler) takes over
         log.warning("job %s accepted but not yet enqueued (%s: %s); the reconciler will send it",
                     job_id, type(exc).__name__, exc)
+        if recorded:
+            _unrecord(job_id)
         return False
     return True
+
+
+def _unrecord(job_id: str) -> None:
+    try:
+        with session_scope() as s:
+            store.update_job(s, job_id=job_id, enqueued_at=None)
+    except Exception as exc:  # the database is away too: the job is re-sent as a lost message instead
+        log.warning("job %s: could not clear enqueued_at (%s); the reconciler re-sends it as a lost message",
+                    job_id, type(exc).__name__)

@@ -159,6 +159,12 @@ def test_submit_while_the_broker_is_down_then_recover(fault_env: dict[str, str],
         assert r.json()["enqueued"] is False
     finally:
         proc.stop()
+    # The row was inserted as sent (enqueued_at set with it); the failed publish cleared that again, so
+    # the reconciler treats it as never sent and sends it within its grace period.
+    with get_engine().connect() as conn:
+        enqueued_at = conn.execute(sa.text("SELECT enqueued_at FROM job WHERE id = :id"),
+                                   {"id": r.json()["id"]}).scalar_one()
+    assert enqueued_at is None
     worker = start_worker(fault_env, "outbox", queues="planner,steps,maintenance", concurrency=4)
     try:
         jobs = wait_all_terminal(fault_api, [r.json()["id"]])

@@ -73,10 +73,10 @@ def submit_job(
 
     job, created = create_job(  # per-tenant quotas first: 429 with Retry-After
         session, body, tenant=tenant, settings=settings, idempotency_key=idempotency_key,
-        admit=admission(tenant, settings),
+        admit=admission(tenant, settings), publishing=True,
     )
     session.commit()  # durable before any message is sent: an accepted job is never lost
-    enqueued = enqueue_plan(job.id) if created else True
+    enqueued = enqueue_plan(job.id, recorded=True) if created else True
     if not created:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{job.id}"

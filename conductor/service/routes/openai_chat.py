@@ -128,7 +128,7 @@ def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str
         try:
             made = chat_job(body, settings)
             job, _ = create_job(session, made.body, tenant=tenant, settings=settings, context=made.context,
-                                admit=admission(tenant, settings))
+                                admit=admission(tenant, settings), publishing=True)
         except QuotaExceeded as exc:
             raise OpenAIError(429, str(exc), code="rate_limit_exceeded", type="rate_limit_error",
                               headers={"Retry-After": exc.retry_after}) from exc
@@ -140,7 +140,7 @@ def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str
                                   param="model") from exc
             raise
         session.commit()  # durable before the message is sent; the reconciler sends it if this send fails
-    enqueue_plan(job.id)
+    enqueue_plan(job.id, recorded=True)
     return job.id
 
 
