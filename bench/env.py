@@ -112,7 +112,7 @@ def child_env(code: str | None = None) -> dict[str, str]:
 
 
 @contextmanager
-def services(*, api: bool = True, workers: int = 1, pool: str = "threads", concurrency: int = 16,
+def services(*, api: bool = True, api_workers: int = 1, workers: int = 1, pool: str = "threads", concurrency: int = 16,
              code: str | None = None, extra_env: dict[str, str] | None = None) -> Iterator[Services]:
     from tests.integration.harness import Proc, start_api
 
@@ -128,7 +128,7 @@ def services(*, api: bool = True, workers: int = 1, pool: str = "threads", concu
             out.procs.append(proc)
             out.worker_pids.append(proc.popen.pid)
         if api:
-            proc, url = start_api(env)
+            proc, url = start_api(env, workers=api_workers)
             out.procs.append(proc)
             out.api_url = url
         yield out

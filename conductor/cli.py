@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("serve", help="run the REST API")
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=8000)
+    c.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="API processes (default 1); one process uses at most one core, see docs/benchmarks.md")
     c.set_defaults(handler=_serve)
 
     c = sub.add_parser("worker", help="run a Celery worker")
@@ -182,7 +184,11 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run("conductor.service.app:create_app", factory=True, host=args.host, port=args.port)
+    if args.workers < 1:
+        print("conductor serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    uvicorn.run("conductor.service.app:create_app", factory=True, host=args.host, port=args.port,
+                workers=args.workers)
     return 0
 
 

@@ -20,7 +20,8 @@ DEFAULT_TENANT = "default"
 JOB_ID_RE = re.compile(r"[0-9a-f]{32}")
 
 
-def settings_dep() -> Settings:
+async def settings_dep() -> Settings:
+    """``async``: it does no I/O, and a sync dependency would cost every request a thread-pool hop."""
     return get_settings()
 
 

@@ -116,15 +116,25 @@ def get_attempts(session: Session, *, step_ids: Sequence[int]) -> list[StepAttem
 def count_jobs_in_flight(session: Session, *, tenant: str) -> int:
     """The tenant's top-level jobs that have not ended (served by the partial index
     ``ix_job_tenant_in_flight``, so it costs the same whatever the tenant's history)."""
-    stmt = sa.select(sa.func.count()).select_from(JOB).where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL))
-    return int(session.execute(stmt).scalar_one())
+    return int(session.execute(_count_in_flight_stmt(), {"p_tenant": tenant}).scalar_one())
+
+
+@cache
+def _count_in_flight_stmt() -> sa.Select[Any]:
+    tenant = sa.bindparam("p_tenant", type_=sa.String())
+    return sa.select(sa.func.count()).select_from(JOB).where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL))
 
 
 def lock_tenant(session: Session, *, tenant: str) -> None:
     """Serializes quota checks of one tenant until the transaction ends (Postgres; SQLite, which runs
     one writer at a time, needs none)."""
     if session.get_bind().dialect.name == "postgresql":
-        session.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"conductor-tenant:{tenant}"))))
+        session.execute(_lock_tenant_stmt(), {"p_key": f"conductor-tenant:{tenant}"})
+
+
+@cache
+def _lock_tenant_stmt() -> sa.Select[Any]:
+    return sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(sa.bindparam("p_key", type_=sa.String()))))
 
 
 def count_tree_steps(session: Session, *, root_job_id: str) -> int:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from functools import cache
+from typing import Any
 
+import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from conductor.store.models import ApiKey, utcnow
@@ -31,10 +34,16 @@ def create_key(session: Session, *, tenant: str, pepper: str = "") -> tuple[ApiK
 
 
 def tenant_for_key(session: Session, *, key: str, pepper: str = "") -> str | None:
-    row = session.exec(
-        select(ApiKey).where(ApiKey.key_hash == hash_key(key, pepper), col(ApiKey.revoked_at).is_(None))
-    ).first()
-    return row.tenant if row else None
+    """The tenant of an active key (every API request asks: a prebuilt statement, one column)."""
+    found = session.execute(_tenant_for_key_stmt(), {"p_hash": hash_key(key, pepper)}).first()
+    return str(found[0]) if found is not None else None
+
+
+@cache
+def _tenant_for_key_stmt() -> sa.Select[Any]:
+    k: sa.Table = ApiKey.__table__  # type: ignore[attr-defined]
+    return sa.select(k.c.tenant).where(k.c.key_hash == sa.bindparam("p_hash", type_=sa.String()),
+                                       k.c.revoked_at.is_(None)).limit(1)
 
 
 def list_keys(session: Session, *, tenant: str | None = None) -> list[ApiKey]:

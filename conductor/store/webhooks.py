@@ -8,6 +8,7 @@ import hashlib
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
@@ -59,8 +60,14 @@ def set_default_webhook_url(session: Session, *, tenant: str, url: str | None) -
 
 
 def default_webhook_url(session: Session, *, tenant: str) -> str | None:
-    row = session.get(TenantSettings, tenant)
-    return row.webhook_url if row else None
+    """The tenant's default target (read on every submit: a prebuilt statement, one column)."""
+    return session.execute(_default_webhook_url_stmt(), {"p_tenant": tenant}).scalar_one_or_none()
+
+
+@cache
+def _default_webhook_url_stmt() -> sa.Select[Any]:
+    t: sa.Table = TenantSettings.__table__  # type: ignore[attr-defined]
+    return sa.select(t.c.webhook_url).where(t.c.tenant == sa.bindparam("p_tenant", type_=sa.String()))
 
 
 def set_webhook_secret(session: Session, *, tenant: str, secret: str) -> None:

@@ -100,10 +100,10 @@ def start_worker(env: dict[str, str], name: str, queues: str = ALL_QUEUES, concu
     return proc
 
 
-def start_api(env: dict[str, str]) -> tuple[Proc, str]:
+def start_api(env: dict[str, str], workers: int = 1) -> tuple[Proc, str]:
     port = free_port()
     argv = [sys.executable, "-m", "uvicorn", "conductor.service.app:create_app", "--factory",
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--workers", str(workers)]
     proc = Proc("api", argv, env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

@@ -20,7 +20,7 @@ EXPECTED_KEYS = {
     "throughput": {"steps_per_s", "jobs_per_s", "window_s", "failed"},
     "makespan": {"shapes", "latency_ms"},
     "concurrency": {"peak_in_flight", "wall_s", "peak_rss_bytes", "succeeded"},
-    "api": {"latency", "accepted", "errors", "achieved_rate"},
+    "api": {"runs"},
     "tokens": {"workflows", "encoder"},
 }
 
@@ -41,5 +41,8 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
     text = docs.read_text()
     section = text[text.index(f"<!-- bench:{name} -->"):text.index(f"<!-- /bench:{name} -->")]
     assert f"python -m bench {name}" in section and "\n|---|" in section
+    if name == "api":
+        assert data["runs"] and all({"latency", "accepted", "errors", "api_cpu_ms_per_request"} <= set(run)
+                                    for run in data["runs"])
     if name in ("throughput", "concurrency", "makespan"):
         assert data.get("failed", 0) == 0 and data.get("succeeded", 1) > 0

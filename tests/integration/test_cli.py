@@ -54,6 +54,8 @@ def test_errors_are_one_line_and_non_zero(proc_env: dict[str, str]) -> None:
     bad_db = cli("migrate", env={**proc_env, "CONDUCTOR_DATABASE_URL": "postgresql+psycopg://nobody:secret@127.0.0.1:1/x"})
     assert bad_db.returncode == 1 and "check CONDUCTOR_DATABASE_URL" in bad_db.stderr
     assert "secret" not in bad_db.stderr
+    no_workers = cli("serve", "--workers", "0", env=proc_env)
+    assert no_workers.returncode == 2 and "--workers must be at least 1" in no_workers.stderr
 
 
 def test_migrate_is_idempotent(proc_env: dict[str, str]) -> None:
