@@ -121,7 +121,8 @@ def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
     with session_scope() as s:
         store.lock_job(s, job_id=root_id)  # a tree's step count is checked and grown one plan at a time
         wf = result.workflow
-        in_tree = store.count_tree_steps(s, root_job_id=root_id)
+        # A top-level job has no steps and no children before its plan: only a child's tree is counted.
+        in_tree = store.count_tree_steps(s, root_job_id=root_id) if job.root_job_id is not None else 0
         if in_tree + len(wf.steps) > settings.max_tree_steps:
             over = (f"this job tree already has {in_tree} steps; {len(wf.steps)} more would pass the limit of "
                     f"{settings.max_tree_steps} (CONDUCTOR_MAX_TREE_STEPS)")

@@ -158,26 +158,43 @@ def transition_job(
     **values: Any,
 ) -> bool:
     """Moves a job to ``to`` only from one of ``from_`` (and, with ``plan_claim``, only if that planning
-    claim is still the current one); returns whether this caller won."""
-    stmt = sa.update(Job).where(col(Job.id) == job_id, col(Job.status).in_(list(from_)))
-    if plan_claim is not None:
-        stmt = stmt.where(col(Job.plan_claims) == plan_claim)
-    return _rowcount(session.execute(stmt.values(status=to, updated_at=utcnow(), **values))) == 1
+    claim is still the current one); returns whether this caller won. Plain values run a statement
+    prebuilt per (from, to, columns); a SQL expression among them builds one for this call."""
+    if any(isinstance(v, sa.ClauseElement) for v in values.values()):
+        stmt = sa.update(Job).where(col(Job.id) == job_id, col(Job.status).in_(list(from_)))
+        if plan_claim is not None:
+            stmt = stmt.where(col(Job.plan_claims) == plan_claim)
+        return _rowcount(session.execute(stmt.values(status=to, updated_at=utcnow(), **values))) == 1
+    params = {"p_job_id": job_id, "p_claim": plan_claim, "p_now": utcnow(), **{f"v_{k}": v for k, v in values.items()}}
+    stmt = _transition_stmt(tuple(str(f) for f in from_), str(to), plan_claim is not None, tuple(sorted(values)))
+    return _rowcount(_core(session).execute(stmt, params)) == 1
+
+
+@lru_cache(maxsize=64)
+def _transition_stmt(from_: tuple[str, ...], to: str, fenced: bool, keys: tuple[str, ...]) -> sa.Update:
+    j = JOB
+    where = [j.c.id == sa.bindparam("p_job_id", type_=sa.String()), sa.or_(*(j.c.status == f for f in from_))]
+    if fenced:
+        where.append(j.c.plan_claims == sa.bindparam("p_claim"))
+    return sa.update(j).where(*where).values(status=to, updated_at=sa.bindparam("p_now", type_=UTCDateTime()),
+                                             **{k: sa.bindparam(f"v_{k}", type_=j.c[k].type) for k in keys})
 
 
 def claim_planning(session: Session, *, job_id: str) -> int | None:
-    """queued -> planning; returns this claim's number (the fencing token), or None if not queued."""
-    won = transition_job(
-        session,
-        job_id=job_id,
-        from_=[JobStatus.QUEUED],
-        to=JobStatus.PLANNING,
-        started_at=sa.func.coalesce(col(Job.started_at), utcnow()),
-        plan_claims=col(Job.plan_claims) + 1,
-    )
-    if not won:
-        return None
-    return int(session.execute(sa.select(col(Job.plan_claims)).where(col(Job.id) == job_id)).scalar_one())
+    """queued -> planning; returns this claim's number (the fencing token), or None if not queued. One
+    ``UPDATE … RETURNING``."""
+    row = _core(session).execute(_claim_planning_stmt(), {"p_job_id": job_id, "p_now": utcnow()}).first()
+    return int(row[0]) if row is not None else None
+
+
+@cache
+def _claim_planning_stmt() -> sa.Update:
+    j = JOB
+    now = sa.bindparam("p_now", type_=UTCDateTime())
+    return (sa.update(j).where(j.c.id == sa.bindparam("p_job_id", type_=sa.String()), j.c.status == JobStatus.QUEUED)
+            .values(status=JobStatus.PLANNING, updated_at=now, started_at=sa.func.coalesce(j.c.started_at, now),
+                    plan_claims=j.c.plan_claims + 1)
+            .returning(j.c.plan_claims))
 
 
 def update_job(session: Session, *, job_id: str, **values: Any) -> None:
@@ -203,8 +220,23 @@ def _insert_job_stmt() -> sa.Insert:
 
 
 def insert_steps(session: Session, *, steps: Sequence[Step]) -> None:
-    session.add_all(steps)
-    session.flush()
+    """Inserts a plan's step rows in one Core ``executemany`` (ids are assigned by the database and not
+    read back: the engine addresses steps by (job id, index))."""
+    if steps:
+        columns = _step_columns()
+        _core(session).execute(_insert_step_stmt(),
+                               [{column: getattr(step, attr) for attr, column in columns} for step in steps])
+
+
+@cache
+def _step_columns() -> tuple[tuple[str, str], ...]:
+    return tuple((prop.key, prop.columns[0].key) for prop in sa.inspect(Step).column_attrs
+                 if prop.columns[0].key != "id")
+
+
+@cache
+def _insert_step_stmt() -> sa.Insert:
+    return sa.insert(STEP)
 
 
 def mark_steps_queued(session: Session, *, job_id: str, indices: Sequence[int]) -> list[int]:
@@ -213,7 +245,7 @@ def mark_steps_queued(session: Session, *, job_id: str, indices: Sequence[int]) 
     if not indices:
         return []
     params = {"p_job_id": job_id, "p_indices": list(indices), "p_now": utcnow()}
-    return sorted(int(i) for i in session.execute(_mark_queued_stmt(), params).scalars())
+    return sorted(int(i) for i in _core(session).execute(_mark_queued_stmt(), params).scalars())
 
 
 @cache
@@ -250,7 +282,7 @@ def finish_attempt(
 ) -> None:
     """Closes an open attempt. Fenced: an attempt already closed (as ``WorkerLost`` when another worker
     took the step over) is not rewritten by the worker that lost it."""
-    session.execute(_finish_attempt_stmt(), {"p_id": attempt_id, "p_now": utcnow(), "p_latency": latency_ms,
+    _core(session).execute(_finish_attempt_stmt(), {"p_id": attempt_id, "p_now": utcnow(), "p_latency": latency_ms,
                                              "p_error_type": error_type, "p_error": error})
 
 
@@ -353,7 +385,7 @@ class StepInput:
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
     """The job's task, context, limits and pool, what its steps spent or hold reserved so far (the
     budgets count both), and this step's row."""
-    row = session.execute(_read_step_input_stmt(), {"p_job_id": job_id, "p_index": index}).first()
+    row = _core(session).execute(_read_step_input_stmt(), {"p_job_id": job_id, "p_index": index}).first()
     if row is None:
         return None
     return StepInput(row[0], row[1], row[2], row[3] or {}, row[4] or {}, row[5], int(row[6]), float(row[7]),
@@ -370,7 +402,7 @@ def _read_step_input_stmt() -> sa.Select[Any]:
     spent_usd = sa.select(sa.func.coalesce(sa.func.sum(other.c.cost_usd + other.c.reserved_usd), 0.0)).where(
         mine).scalar_subquery()
     unstarted = sa.select(sa.func.count()).where(
-        mine, other.c.status.in_([StepStatus.PENDING, StepStatus.QUEUED])).scalar_subquery()
+        mine, sa.or_(other.c.status == StepStatus.PENDING, other.c.status == StepStatus.QUEUED)).scalar_subquery()
     return (
         sa.select(
             j.c.status, j.c.task, j.c.context, j.c.limits, j.c.pool_config, j.c.created_at,
@@ -387,7 +419,7 @@ def visible_outputs(session: Session, *, job_id: str, indices: Sequence[int]) ->
     """(subtask, answer) of each listed step, in step order."""
     if not indices:
         return []
-    rows = session.execute(_visible_outputs_stmt(), {"p_job_id": job_id, "p_indices": list(indices)})
+    rows = _core(session).execute(_visible_outputs_stmt(), {"p_job_id": job_id, "p_indices": list(indices)})
     return [(r[0], r[1] or "") for r in rows]
 
 
@@ -424,7 +456,7 @@ def claim_step_row(
     params = {"p_job_id": job_id, "p_index": index, "p_owner": owner, "p_now": now,
               "p_expires": now + timedelta(seconds=lease_s), "p_task_id": task_id,
               **{f"v_{k}": v for k, v in values.items()}}
-    row = session.execute(_claim_stmt(tuple(sorted(values)), count_attempt), params).first()
+    row = _core(session).execute(_claim_stmt(tuple(sorted(values)), count_attempt), params).first()
     if row is None:
         return None
     return ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - (1 if count_attempt else 0))
@@ -462,7 +494,7 @@ def _claim_stmt(keys: tuple[str, ...], count_attempt: bool) -> sa.Update:
 
 def open_attempt(session: Session, *, step_id: int, n: int, worker: str) -> int:
     """Inserts attempt ``n`` (already counted on the step); returns its id."""
-    return int(session.execute(_open_attempt_stmt(), {"p_step_id": step_id, "p_n": n, "p_worker": worker,
+    return int(_core(session).execute(_open_attempt_stmt(), {"p_step_id": step_id, "p_n": n, "p_worker": worker,
                                                         "p_now": utcnow()}).scalar_one())
 
 
@@ -509,7 +541,7 @@ def lock_job(session: Session, *, job_id: str) -> JobHead | None:
     one job recording at once are serialized: of two parents of a join finishing together, the second
     sees the first. SQLite has no row locks; its first write takes the database lock, which serializes
     the same way (embedded mode is one process)."""
-    row = session.execute(_lock_job_stmt(), {"p_job_id": job_id}).first()
+    row = _core(session).execute(_lock_job_stmt(), {"p_job_id": job_id}).first()
     return JobHead(*row) if row is not None else None
 
 
@@ -527,7 +559,7 @@ def record_step(session: Session, *, step_id: int, owner: str, to: str, **values
     Usage is added to what the step already carries (a call of a worker that lost the step was paid for
     too: ``add_unrecorded_usage``), once: only by the update that ends the step."""
     params = {"p_step_id": step_id, "p_owner": owner, "p_now": utcnow(), **{f"v_{k}": v for k, v in values.items()}}
-    return _rowcount(session.execute(_record_stmt(str(to), tuple(sorted(values))), params)) == 1
+    return _rowcount(_core(session).execute(_record_stmt(str(to), tuple(sorted(values))), params)) == 1
 
 
 @lru_cache(maxsize=32)
@@ -540,7 +572,7 @@ def _record_stmt(to: str, keys: tuple[str, ...]) -> sa.Update:
     return (
         sa.update(st)
         .where(st.c.id == sa.bindparam("p_step_id"), st.c.lease_owner == sa.bindparam("p_owner", type_=sa.String()),
-               st.c.status.in_([StepStatus.RUNNING, to]))
+               sa.or_(st.c.status == StepStatus.RUNNING, st.c.status == to))
         .values(status=to, finished_at=sa.bindparam("p_now", type_=UTCDateTime()), lease_expires_at=None,
                 **RELEASED, **usage, **rest)
     )
@@ -563,7 +595,7 @@ class StepHead:
 
 
 def step_heads(session: Session, *, job_id: str) -> list[StepHead]:
-    rows = session.execute(_step_heads_stmt(), {"p_job_id": job_id})
+    rows = _core(session).execute(_step_heads_stmt(), {"p_job_id": job_id})
     return [StepHead(r[0], r[1], list(r[2] or []), r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in rows]
 
 
@@ -661,6 +693,13 @@ def running_job_ids(session: Session, *, older_than: datetime, limit: int = 500)
     if ids:
         session.execute(sa.update(Job).where(col(Job.id).in_(ids)).values(updated_at=utcnow()))
     return ids
+
+
+def _core(session: Session) -> sa.Connection:
+    """The session's connection, for the hot path's prebuilt Core statements: executing them there skips
+    the ORM's execute layer (autoflush, ORM compile-state lookup, events), which cost as much CPU as
+    the statement itself."""
+    return session.connection()
 
 
 def _rowcount(result: Any) -> int:
