@@ -19,6 +19,8 @@ from conductor.store.db import get_engine
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=1000)
     p.add_argument("--latency-ms", type=int, default=5000)
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes, each with a pool of --calls slots (one per core takes the jobs faster)")
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> Result:
     concurrency = max(args.concurrency, calls)
     write_pool("benchslow", {"s": latency})
     peak = [0]
-    with services(api=False, pool=pool, concurrency=concurrency, code=args.code) as svc:
+    with services(api=False, workers=args.workers, pool=pool, concurrency=concurrency, code=args.code) as svc:
         stop = threading.Event()
 
         def sample() -> None:
@@ -61,13 +63,16 @@ def run(args: argparse.Namespace) -> Result:
                 "start spread s", "peak RSS MB", "idle RSS MB", "submit s"],
                [[calls, latency / 1000, f"{pool} x{concurrency}", in_flight, ok, round(last - first, 2),
                  round(spread, 2), round(peak[0] / 2**20), round(idle_rss / 2**20), round(submitted, 2)]])
-    md += ("\n\nOne worker process (the planner and steps queues), jobs created in one transaction and published "
+    procs = "One worker process" if args.workers == 1 else f"{args.workers} worker processes"
+    md += (f"\n\n{procs} (the planner and steps queues), jobs created in one transaction and published "
            "from the benchmark process. \"start spread\" is first call start → last call start: the time "
-           "the worker needed to take every message, plan every job and claim every step.")
-    data = {"calls": calls, "latency_ms": latency, "pool": pool, "concurrency": concurrency,
+           "the workers needed to take every message, plan every job and claim every step. RSS: the workers' "
+           "process trees together.")
+    data = {"calls": calls, "latency_ms": latency, "pool": pool, "concurrency": concurrency, "workers": args.workers,
             "peak_in_flight": in_flight,
             "succeeded": ok, "wall_s": last - first, "start_spread_s": spread, "peak_rss_bytes": peak[0],
             "idle_rss_bytes": idle_rss, "submit_s": submitted}
     cmd = "python -m bench concurrency --quick" if args.quick else \
-        f"python -m bench concurrency --calls {args.calls} --latency-ms {args.latency_ms} --pool {pool}"
+        f"python -m bench concurrency --calls {args.calls} --latency-ms {args.latency_ms} --pool {pool}" + (
+            f" --workers {args.workers}" if args.workers != 1 else "")
     return Result("concurrency", cmd, data, md)

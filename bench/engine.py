@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> Result:
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         return wall / steps * 1000, cpu / steps * 1000, statements / steps
 
-    hot = get_engine(None, pre_ping=False)  # the engine `transaction` runs the hot path on
+    hot = get_engine()  # the engine `transaction` runs the hot path on
     sa.event.listen(hot, "before_cursor_execute", count)
     try:
         chain()  # warm-up: imports, connections, prebuilt statements

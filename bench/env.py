@@ -171,10 +171,10 @@ def submit_direct(workflows: Sequence[dict[str, Any]], pool: str, tenant: str = 
     with session_scope() as s:
         for wf in workflows:
             job, _ = create_job(s, JobCreate.model_validate({"task": "bench", "pool": pool, "workflow": wf}),
-                                tenant=tenant, settings=settings)
+                                tenant=tenant, settings=settings, publishing=True)
             ids.append(job.id)
     for job_id in ids:
-        enqueue_plan(job_id)
+        enqueue_plan(job_id, recorded=True)
     return ids
 
 

@@ -74,9 +74,9 @@ def use_store(data_dir: Path, *, embedded_broker: bool = False) -> Settings:
         os.environ["CONDUCTOR_BROKER_URL"] = MEMORY_BROKER
         os.environ["CONDUCTOR_RESULT_BACKEND"] = MEMORY_RESULT_BACKEND
     get_settings.cache_clear()
-    from conductor.store.db import get_engine
+    from conductor.store.db import clear_engines
 
-    get_engine.cache_clear()
+    clear_engines()
     return get_settings()
 
 

@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     # another worker. The worker renews it every third of this while it works on the step (heartbeat),
     # so it bounds how late a dead worker's step re-runs, not how long a call may take.
     step_lease_s: float = Field(default=30.0, gt=0)
+    db_pool_size: int = Field(default=10, ge=1)
+    db_max_overflow: int = Field(default=20, ge=0)
+    """Each process (API, worker) opens at most ``db_pool_size + db_max_overflow`` Postgres connections
+    (30 by default); keep the sum over every process under the server's ``max_connections`` (100 by
+    default). A gevent worker's greenlets beyond that wait for a pooled connection."""
     db_synchronous_commit: bool = True
     """Off, Postgres acknowledges a commit before its WAL reaches disk: each transaction stops waiting for
     an fsync (7-13 ms on the benchmark box), and a Postgres crash can lose the last few hundred ms of

@@ -1,16 +1,17 @@
-"""Engines and sessions. One engine per database URL (and probe choice) per process."""
+"""Engines and sessions. One engine (one connection pool) per database URL per process."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
 from typing import TypeVar
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlmodel import Session, create_engine
 
 from conductor.settings import get_settings
@@ -19,20 +20,48 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-@lru_cache(maxsize=8)
-def get_engine(url: str | None = None, *, pre_ping: bool = True) -> Engine:
-    """``pre_ping`` probes each connection with a round trip before use (the API, the reconciler).
+_HOT_PATH: ContextVar[bool] = ContextVar("conductor_hot_path", default=False)
+"""Set while ``transaction`` runs: connections checked out for the step hot path are not probed."""
 
-    The step hot path uses an engine without it and instead retries a transaction once when its
-    connection turns out dead (``transaction``): after a Postgres restart SQLAlchemy invalidates the
-    whole pool on the first such error, so the retry gets a fresh connection."""
-    url = url or get_settings().database_url
+
+def get_engine(url: str | None = None) -> Engine:
+    """The process's engine for ``url`` (default: ``CONDUCTOR_DATABASE_URL``): one connection pool per
+    database per process, of at most ``db_pool_size + db_max_overflow`` connections.
+
+    A connection is probed with a round trip when it is checked out (so the API and the reconciler never
+    use one that died with a Postgres restart), except on the step hot path: ``transaction`` skips the
+    probe and instead retries its transaction once when the connection turns out dead (SQLAlchemy then
+    invalidates the whole pool, so the retry gets a fresh connection)."""
+    return _engine(url or get_settings().database_url)
+
+
+def clear_engines() -> None:
+    """Forgets every engine (after the settings changed, e.g. embedded mode pointing at its own file)."""
+    _engine.cache_clear()
+
+
+@lru_cache(maxsize=8)
+def _engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    connect_args = {} if get_settings().db_synchronous_commit else {"options": "-c synchronous_commit=off"}
-    return create_engine(url, pool_pre_ping=pre_ping, pool_size=10, max_overflow=20, connect_args=connect_args)
+    settings = get_settings()
+    connect_args = {} if settings.db_synchronous_commit else {"options": "-c synchronous_commit=off"}
+    engine = create_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow,
+                           connect_args=connect_args)
+    dialect = engine.dialect
+
+    def probe(dbapi_connection, _record, _proxy) -> None:  # type: ignore[no-untyped-def]
+        if _HOT_PATH.get():
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except Exception as exc:  # dead: the pool discards it and checks out another
+            raise DisconnectionError(f"connection probe failed ({type(exc).__name__})") from exc
+
+    event.listen(engine, "checkout", probe)
+    return engine
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
@@ -56,19 +85,23 @@ def session_scope(url: str | None = None) -> Iterator[Session]:
 
 
 def transaction(body: Callable[[Session], T], *, url: str | None = None) -> T:
-    """Runs ``body`` in one transaction on the hot-path engine (no pre-ping) and commits; when the
+    """Runs ``body`` in one transaction without probing its connection first, and commits; when the
     connection was dead (the database restarted), runs it once more on a fresh one. ``body`` must be
     safe to run twice: the step functions are conditional updates fenced by the claim's owner."""
     for attempt in (1, 2):
         try:
-            with Session(get_engine(url, pre_ping=False), expire_on_commit=False) as session:
-                try:
-                    result = body(session)
-                    session.commit()
-                    return result
-                except BaseException:
-                    session.rollback()
-                    raise
+            hot = _HOT_PATH.set(True)
+            try:
+                with Session(get_engine(url), expire_on_commit=False) as session:
+                    try:
+                        result = body(session)
+                        session.commit()
+                        return result
+                    except BaseException:
+                        session.rollback()
+                        raise
+            finally:
+                _HOT_PATH.reset(hot)
         except DBAPIError as exc:
             if attempt == 2 or not exc.connection_invalidated:
                 raise

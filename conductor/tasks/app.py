@@ -30,6 +30,10 @@ def all_queues(settings: Settings) -> tuple[str, ...]:
     return (*QUEUES, *sorted(set(settings.step_queues.values()) - set(QUEUES)))
 
 
+BROKER_MAX_CONNECTIONS = 200
+"""Redis connections per pool of a process; Redis's own limit (maxclients) is 10,000."""
+
+
 def celery_config(settings: Settings) -> dict[str, object]:
     # A message may sit unacknowledged on Redis this long before Redis hands it to another worker.
     # It exceeds the longest step, so a slow step rarely gets a second copy (whose claim is refused
@@ -60,7 +64,11 @@ def celery_config(settings: Settings) -> dict[str, object]:
         # State lives in Postgres; results are not read from Celery, so none are stored there.
         "task_ignore_result": True,
         "result_expires": 3600,
-        "broker_transport_options": {"visibility_timeout": visibility_timeout},
+        # max_connections: the Redis connections of one channel's pool (kombu's default is 10). A gevent
+        # worker acks and publishes from hundreds of greenlets at once; past the limit redis-py refuses
+        # instead of waiting (MaxConnectionsError: a lost ack, a step left to the reconciler).
+        "broker_transport_options": {"visibility_timeout": visibility_timeout,
+                                     "max_connections": BROKER_MAX_CONNECTIONS},
         "result_backend_transport_options": {"visibility_timeout": visibility_timeout},
         "broker_connection_retry_on_startup": True,
         # Publishing from the API must fail fast when Redis is down: the job is already committed and

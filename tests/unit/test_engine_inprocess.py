@@ -21,7 +21,7 @@ from conductor.errors import ErrorType
 from conductor.migrations.migrate import upgrade
 from conductor.settings import Settings, get_settings
 from conductor.store import jobs as store
-from conductor.store.db import get_engine, session_scope
+from conductor.store.db import clear_engines, get_engine, session_scope
 from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus
 from conductor.submission import JobCreate, create_job
 
@@ -53,7 +53,7 @@ def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settin
     upgrade(url)
     yield get_settings()
     get_engine(url).dispose()
-    get_engine.cache_clear()
+    clear_engines()
     get_settings.cache_clear()
 
 

@@ -1,0 +1,56 @@
+"""One connection pool per database per process, and what happens to its connections when their server
+side dies (as after a Postgres restart): a probed checkout replaces a dead connection before use; the
+hot path's ``transaction`` skips the probe and runs its body once more on a fresh connection."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlmodel import Session
+
+from conductor.settings import get_settings
+from conductor.store.db import get_engine, session_scope, transaction
+
+
+def _kill_pooled_connections(engine: sa.Engine, n: int) -> list[int]:
+    """Checks out ``n`` connections, returns them to the pool, then terminates their backends."""
+    conns = [engine.connect() for _ in range(n)]
+    pids = [int(c.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()) for c in conns]
+    for c in conns:
+        c.close()
+    outsider = sa.create_engine(engine.url, poolclass=sa.NullPool)  # not one of the pool's own
+    with outsider.connect() as killer:
+        for pid in pids:
+            assert killer.exec_driver_sql(f"SELECT pg_terminate_backend({pid})").scalar_one()
+    outsider.dispose()
+    return pids
+
+
+def test_every_caller_of_one_url_shares_one_pool() -> None:
+    settings = get_settings()
+    assert get_engine() is get_engine(settings.database_url)
+    assert get_engine().pool.size() == settings.db_pool_size  # type: ignore[attr-defined]
+
+
+def test_a_dead_pooled_connection_is_replaced_before_use() -> None:
+    engine = get_engine()
+    engine.dispose()
+    dead = _kill_pooled_connections(engine, 3)
+    for _ in range(3):  # every dead one would be handed out in turn
+        with session_scope() as s:
+            pid = int(s.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+        assert pid not in dead
+
+
+def test_the_hot_path_skips_the_probe_and_retries_once_on_a_dead_connection() -> None:
+    engine = get_engine()
+    engine.dispose()
+    dead = _kill_pooled_connections(engine, 1)
+    runs: list[int] = []
+
+    def body(s: Session) -> int:
+        runs.append(1)
+        return int(s.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+
+    pid = transaction(body)
+    assert pid not in dead
+    assert len(runs) == 2  # not probed: the first run met the dead connection, the retry a fresh one
