@@ -117,18 +117,19 @@ def services(*, api: bool = True, api_workers: int = 1, workers: int = 1, pool: 
     from tests.integration.harness import Proc, start_api
 
     env = {**child_env(code), **(extra_env or {})}
+    cwd = Path(code).resolve() if code else ROOT  # `python -m` imports from its working directory first
     flush_broker()
     out = Services(api_url=None)
     try:
         for i in range(workers):
             argv = [sys.executable, "-m", "conductor.cli", "worker", "--no-supervise", "--pool", pool,
                     "--concurrency", str(concurrency), "--hostname", f"bench{i}@%h", "--loglevel", "warning"]
-            proc = Proc(f"bench-worker{i}", argv, env)
+            proc = Proc(f"bench-worker{i}", argv, env, cwd)
             _wait_ready(proc)
             out.procs.append(proc)
             out.worker_pids.append(proc.popen.pid)
         if api:
-            proc, url = start_api(env, workers=api_workers)
+            proc, url = start_api(env, workers=api_workers, cwd=cwd)
             out.procs.append(proc)
             out.api_url = url
         yield out

@@ -51,13 +51,14 @@ def free_port() -> int:
 class Proc:
     """A child process whose output goes to a log file, shown when a test fails."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: Path = ROOT):
+        """``cwd`` is also where ``python -m`` imports ``conductor`` from (it comes first on sys.path)."""
         LOGS.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.log_path = LOGS / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
         self.log = self.log_path.open("wb")
         self.popen = subprocess.Popen(
-            argv, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, env=env, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def tail(self, n: int = 60) -> str:
@@ -100,11 +101,11 @@ def start_worker(env: dict[str, str], name: str, queues: str = ALL_QUEUES, concu
     return proc
 
 
-def start_api(env: dict[str, str], workers: int = 1) -> tuple[Proc, str]:
+def start_api(env: dict[str, str], workers: int = 1, cwd: Path = ROOT) -> tuple[Proc, str]:
     port = free_port()
     argv = [sys.executable, "-m", "uvicorn", "conductor.service.app:create_app", "--factory",
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--workers", str(workers)]
-    proc = Proc("api", argv, env)
+    proc = Proc("api", argv, env, cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
