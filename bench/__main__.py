@@ -7,6 +7,7 @@
     python -m bench concurrency         # 1,000 in-flight 5 s calls: wall time, peak RSS
     python -m bench api                 # POST /v1/jobs p50/p99 at 200 req/s
     python -m bench tokens              # prompt tokens: access lists vs see-everything vs MoA
+    python -m bench publish             # CPU per ready-step message published
     python -m bench all --quick         # a seconds-long smoke of each (what CI runs)
 
 Needs the services the tests use (Postgres, Redis); the database is ``CONDUCTOR_TEST_DATABASE_URL``
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from bench.env import ROOT, publish
 
-NAMES = ("engine", "overhead", "throughput", "makespan", "concurrency", "api", "tokens")
+NAMES = ("engine", "overhead", "throughput", "makespan", "concurrency", "api", "tokens", "publish")
 
 
 def main(argv: list[str] | None = None) -> int:

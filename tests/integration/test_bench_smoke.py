@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.harness import ROOT
 
-NAMES = ["engine", "overhead", "throughput", "makespan", "concurrency", "api", "tokens"]
+NAMES = ["engine", "overhead", "throughput", "makespan", "concurrency", "api", "tokens", "publish"]
 EXPECTED_KEYS = {
     "engine": {"wall_ms_per_step", "cpu_ms_per_step", "statements_per_step"},
     "overhead": {"conductor", "conductor_brokered", "asyncio", "celery", "langgraph"},
@@ -22,6 +22,7 @@ EXPECTED_KEYS = {
     "concurrency": {"peak_in_flight", "wall_s", "peak_rss_bytes", "succeeded"},
     "api": {"runs"},
     "tokens": {"workflows", "encoder"},
+    "publish": {"cpu_ms_per_message", "runs"},
 }
 
 
