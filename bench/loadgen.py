@@ -76,29 +76,31 @@ async def run_load(url: str, request: bytes, *, rate: float, seconds: float) -> 
             opened += 1
         return (*await asyncio.open_connection(host, port), False)
 
+    async def send_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+        try:
+            writer.write(request)
+            return await _read_response(reader)
+        except BaseException:  # a failed (or timed-out) exchange leaves nothing open behind it
+            writer.close()
+            raise
+
     async def exchange() -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], int]:
         reader, writer, reused = await connection()
         try:
-            writer.write(request)
-            return (reader, writer), await _read_response(reader)
+            return (reader, writer), await send_on(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             if not reused:
                 raise
         # The server closed an idle keep-alive connection (as HTTP clients do): once more on a new one.
-        writer.close()
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(request)
-        return (reader, writer), await _read_response(reader)
+        return (reader, writer), await send_on(reader, writer)
 
     async def one(due: float) -> None:
         nonlocal opened
-        conn = None
         try:
             conn, status = await asyncio.wait_for(exchange(), TIMEOUT_S)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
             out.errors += 1
-            if conn is not None:
-                conn[1].close()
             async with freed:
                 opened -= 1
                 freed.notify()

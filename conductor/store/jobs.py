@@ -158,13 +158,8 @@ def transition_job(
     **values: Any,
 ) -> bool:
     """Moves a job to ``to`` only from one of ``from_`` (and, with ``plan_claim``, only if that planning
-    claim is still the current one); returns whether this caller won. Plain values run a statement
-    prebuilt per (from, to, columns); a SQL expression among them builds one for this call."""
-    if any(isinstance(v, sa.ClauseElement) for v in values.values()):
-        stmt = sa.update(Job).where(col(Job.id) == job_id, col(Job.status).in_(list(from_)))
-        if plan_claim is not None:
-            stmt = stmt.where(col(Job.plan_claims) == plan_claim)
-        return _rowcount(session.execute(stmt.values(status=to, updated_at=utcnow(), **values))) == 1
+    claim is still the current one); returns whether this caller won. ``values`` are plain column values:
+    the statement is prebuilt per (from, to, columns)."""
     params = {"p_job_id": job_id, "p_claim": plan_claim, "p_now": utcnow(), **{f"v_{k}": v for k, v in values.items()}}
     stmt = _transition_stmt(tuple(str(f) for f in from_), str(to), plan_claim is not None, tuple(sorted(values)))
     return _rowcount(_core(session).execute(stmt, params)) == 1
@@ -205,13 +200,15 @@ def insert_job(session: Session, *, job: Job) -> None:
     """Inserts a new job row with one prebuilt Core ``INSERT`` (no unit of work: the submit path's
     ORM flush cost more CPU than the rest of the insert). ``job`` stays a plain object outside the
     session; its values, defaults included, are what was stored."""
-    session.execute(_insert_job_stmt(), {column: getattr(job, attr) for attr, column in _job_columns()})
+    session.execute(_insert_job_stmt(), {column: getattr(job, attr) for attr, column in _columns(Job)})
 
 
 @cache
-def _job_columns() -> tuple[tuple[str, str], ...]:
-    """(attribute, column) of each mapped column of ``Job`` (``meta`` is the ``metadata`` column)."""
-    return tuple((prop.key, prop.columns[0].key) for prop in sa.inspect(Job).column_attrs)
+def _columns(model: type[Job] | type[Step], without: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
+    """(attribute, column) of each mapped column of ``model`` but ``without`` (``Job.meta`` is the
+    ``metadata`` column): what a Core insert of an unsaved object binds."""
+    return tuple((prop.key, prop.columns[0].key) for prop in sa.inspect(model).column_attrs
+                 if prop.columns[0].key not in without)
 
 
 @cache
@@ -223,15 +220,9 @@ def insert_steps(session: Session, *, steps: Sequence[Step]) -> None:
     """Inserts a plan's step rows in one Core ``executemany`` (ids are assigned by the database and not
     read back: the engine addresses steps by (job id, index))."""
     if steps:
-        columns = _step_columns()
+        columns = _columns(Step, ("id",))  # assigned by the database
         _core(session).execute(_insert_step_stmt(),
                                [{column: getattr(step, attr) for attr, column in columns} for step in steps])
-
-
-@cache
-def _step_columns() -> tuple[tuple[str, str], ...]:
-    return tuple((prop.key, prop.columns[0].key) for prop in sa.inspect(Step).column_attrs
-                 if prop.columns[0].key != "id")
 
 
 @cache
