@@ -6,6 +6,9 @@ from celery import Celery
 from kombu import Queue
 
 from conductor.settings import Settings, get_settings
+from conductor.tasks import transport
+
+transport.install()  # one Redis client per broker channel (conductor/tasks/transport.py)
 
 PLANNER_QUEUE = "planner"
 STEPS_QUEUE = "steps"
