@@ -28,7 +28,13 @@ def test_idempotency_key_returns_the_same_job(client: httpx.Client) -> None:
     again = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "key-1"})
     assert first.status_code == again.status_code == 202
     assert first.json()["id"] == again.json()["id"]
-    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.headers["Idempotent-Replayed"] == "true" and "Idempotent-Replayed" not in first.headers
+    job_id = first.json()["id"]
+    assert first.headers["Location"] == again.headers["Location"] == f"/v1/jobs/{job_id}"
+    assert first.headers["content-type"] == "application/json"
+    assert first.json() == {"id": job_id, "status": "queued", "enqueued": True, "links": {
+        "self": f"/v1/jobs/{job_id}", "steps": f"/v1/jobs/{job_id}/steps", "events": f"/v1/jobs/{job_id}/events",
+        "trace": f"/ui/jobs/{job_id}"}}
     other = client.post("/v1/jobs", json={**body, "task": "different"}, headers={"Idempotency-Key": "key-1"})
     assert other.status_code == 422 and other.json()["errors"][0]["loc"] == ["header", "Idempotency-Key"]
     assert wait_terminal(client, first.json()["id"])["status"] == "succeeded"
