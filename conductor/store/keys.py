@@ -35,7 +35,7 @@ def create_key(session: Session, *, tenant: str, pepper: str = "") -> tuple[ApiK
 
 def tenant_for_key(session: Session, *, key: str, pepper: str = "") -> str | None:
     """The tenant of an active key (every API request asks: a prebuilt statement, one column)."""
-    found = session.execute(_tenant_for_key_stmt(), {"p_hash": hash_key(key, pepper)}).first()
+    found = session.connection().execute(_tenant_for_key_stmt(), {"p_hash": hash_key(key, pepper)}).first()
     return str(found[0]) if found is not None else None
 
 

@@ -61,7 +61,7 @@ def set_default_webhook_url(session: Session, *, tenant: str, url: str | None) -
 
 def default_webhook_url(session: Session, *, tenant: str) -> str | None:
     """The tenant's default target (read on every submit: a prebuilt statement, one column)."""
-    return session.execute(_default_webhook_url_stmt(), {"p_tenant": tenant}).scalar_one_or_none()
+    return session.connection().execute(_default_webhook_url_stmt(), {"p_tenant": tenant}).scalar_one_or_none()
 
 
 @cache

@@ -84,3 +84,32 @@ def test_a_long_worker_name_still_fits_the_claim_columns() -> None:
     with session_scope() as s:
         step = store.get_step(s, job_id=job_id, index=0)
         assert step is not None and step.status == StepStatus.SUCCEEDED and len(step.lease_owner or "") <= 128
+
+
+def test_a_new_job_row_binds_few_enough_parameters_for_psycopg_to_cache_its_query() -> None:
+    """The job insert leaves None columns out: psycopg re-parses a query of more than 50 parameters on
+    every execution. The stored row is the job as built, null columns included."""
+    seen: list[int] = []
+
+    def capture(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if statement.startswith("INSERT INTO job "):
+            seen.append(len(parameters))
+
+    engine = get_engine()
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    try:
+        with session_scope() as s:
+            job, _ = create_job(s, JobCreate.model_validate({
+                "task": "a typical job", "metadata": {"k": "v"}, "webhook_url": "https://example.com/hook",
+                "limits": {"max_cost_usd": 1.0}}), tenant="engine", settings=get_settings(),
+                idempotency_key="params-1")
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", capture)
+    assert len(seen) == 1 and 0 < seen[0] <= 50
+    with session_scope() as s:
+        stored = store.get_job(s, job_id=job.id)
+    assert stored is not None
+    assert (stored.tenant, stored.task, stored.meta, stored.webhook_url, stored.idempotency_key) == (
+        "engine", "a typical job", {"k": "v"}, "https://example.com/hook", "params-1")
+    assert stored.limits["max_cost_usd"] == 1.0 and stored.answer is None and stored.batch_id is None
+    assert stored.status == JobStatus.QUEUED and stored.plan_claims == 0 and stored.created_at == job.created_at
