@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from conductor.errors import ErrorType
+from conductor.store.direct import Direct
 from conductor.store.models import (
     IN_FLIGHT_SQL,
     Job,
@@ -206,7 +207,7 @@ def insert_job(session: Session, *, job: Job) -> None:
     execution instead of caching its conversion (``MAX_CACHED_STATEMENT_PARAMS``), 6 % of the API's CPU
     per submit. A new job has about 25 non-null columns, in a handful of combinations."""
     values = {column: value for attr, column in _columns(Job) if (value := getattr(job, attr)) is not None}
-    _core(session).execute(_insert_job_stmt(), values)
+    session.connection().execute(_insert_job_stmt(), values)  # its columns are the keys given: SQLAlchemy's path
 
 
 @cache
@@ -227,8 +228,8 @@ def insert_steps(session: Session, *, steps: Sequence[Step]) -> None:
     read back: the engine addresses steps by (job id, index))."""
     if steps:
         columns = _columns(Step, ("id",))  # assigned by the database
-        _core(session).execute(_insert_step_stmt(),
-                               [{column: getattr(step, attr) for attr, column in columns} for step in steps])
+        session.connection().execute(_insert_step_stmt(),
+                                     [{column: getattr(step, attr) for attr, column in columns} for step in steps])
 
 
 @cache
@@ -692,11 +693,12 @@ def running_job_ids(session: Session, *, older_than: datetime, limit: int = 500)
     return ids
 
 
-def _core(session: Session) -> sa.Connection:
-    """The session's connection, for the hot path's prebuilt Core statements: executing them there skips
-    the ORM's execute layer (autoflush, ORM compile-state lookup, events), which cost as much CPU as
-    the statement itself."""
-    return session.connection()
+def _core(session: Session) -> Direct:
+    """The session's connection, for the hot path's prebuilt Core statements: on Postgres they run on the
+    driver's cursor (``conductor.store.direct``), elsewhere through ``Connection.execute``; either way
+    without the ORM's execute layer (autoflush, ORM compile-state lookup, events), which cost as much
+    CPU as the statement itself."""
+    return Direct(session)
 
 
 def _rowcount(result: Any) -> int:

@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from sqlmodel import Session
 
 from conductor.settings import get_settings
+from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope, transaction
 
 
@@ -54,3 +55,39 @@ def test_the_hot_path_skips_the_probe_and_retries_once_on_a_dead_connection() ->
     pid = transaction(body)
     assert pid not in dead
     assert len(runs) == 2  # not probed: the first run met the dead connection, the retry a fresh one
+
+
+def test_a_dead_connection_met_by_a_direct_statement_is_retried_the_same_way() -> None:
+    """The hot path's prebuilt statements run on the driver's cursor (conductor/store/direct.py); a dead
+    connection must still surface as SQLAlchemy's invalidating error, so ``transaction`` retries."""
+    job_id = new_job_row()
+    engine = get_engine()
+    engine.dispose()
+    _kill_pooled_connections(engine, 1)
+    runs: list[int] = []
+    raised: list[BaseException] = []
+
+    def body(s: Session) -> str | None:
+        runs.append(1)
+        try:
+            head = store.lock_job(s, job_id=job_id)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+        return head.status if head is not None else None
+
+    assert transaction(body) == "queued"
+    assert len(runs) == 2
+    # SQLAlchemy's own error, the connection invalidated: not the driver's error that a rollback happened
+    # to replace.
+    assert len(raised) == 1 and isinstance(raised[0], sa.exc.OperationalError)
+    assert raised[0].connection_invalidated
+
+
+def new_job_row() -> str:
+    from conductor.submission import JobCreate, create_job
+
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "pool test"}), tenant="pool",
+                            settings=get_settings())
+    return job.id

@@ -1,0 +1,79 @@
+"""Prebuilt statements run on the driver's cursor (conductor/store/direct.py) answer exactly what
+SQLAlchemy's own execution answers: the same rows, with the same types (UTC timestamps, parsed JSON,
+floats), the same row counts and the same exception types."""
+
+from __future__ import annotations
+
+from datetime import UTC
+
+import pytest
+import sqlalchemy as sa
+from sqlmodel import Session
+
+from conductor.engine import plan_job
+from conductor.settings import get_settings
+from conductor.store import jobs as store
+from conductor.store.db import get_engine, session_scope
+from conductor.store.direct import Direct, Rows
+from conductor.submission import JobCreate, create_job
+
+
+def planned_job() -> str:
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({
+            "task": "direct", "limits": {"max_cost_usd": 2.5},
+            "workflow": {"model_ids": ["a", "b"], "subtasks": ["one", "two"], "access_lists": [[], [0]]}}),
+            tenant="direct", settings=get_settings())
+    plan_job(job.id, settings=get_settings())
+    return job.id
+
+
+def both(s: Session, stmt: sa.Executable, params: dict[str, object]) -> tuple[Rows, sa.CursorResult[object]]:
+    direct = Direct(s).execute(stmt, params)
+    assert isinstance(direct, Rows)  # Postgres: the cursor path was taken, not SQLAlchemy's
+    return direct, s.connection().execute(stmt, params)
+
+
+def test_reads_answer_what_sqlalchemy_answers() -> None:
+    job_id = planned_job()
+    with Session(get_engine()) as s:
+        direct, orm = both(s, store._read_step_input_stmt(), {"p_job_id": job_id, "p_index": 1})
+        row, expected = direct.first(), orm.first()
+        assert row is not None and expected is not None
+        assert tuple(row) == tuple(expected)
+        assert [type(v) for v in row] == [type(v) for v in expected]
+        assert row[5].tzinfo is not None and row[5].utcoffset() == UTC.utcoffset(None)  # created_at
+        assert row[3] == {"max_cost_usd": 2.5, **{k: v for k, v in row[3].items() if k != "max_cost_usd"}}
+        assert row[10] == [0]  # the access list, parsed JSON
+        direct, orm = both(s, store._step_heads_stmt(), {"p_job_id": job_id})
+        assert [tuple(r) for r in direct] == [tuple(r) for r in orm] and len(direct.rows) == 2
+        direct, _ = both(s, store._lock_job_stmt(), {"p_job_id": "0" * 32})
+        assert direct.first() is None and direct.rows == []
+
+
+def test_updates_report_their_row_counts_and_returned_rows() -> None:
+    job_id = planned_job()
+    with session_scope() as s:
+        moved = Direct(s).execute(store._mark_queued_stmt(), {"p_job_id": job_id, "p_indices": [1],
+                                                              "p_now": store.utcnow()})
+        assert list(moved.scalars()) == [1]  # expanded IN: SQLAlchemy's path, same interface
+        heads = store.step_heads(s, job_id=job_id)
+        assert [h.status for h in heads] == ["queued", "queued"]
+    with session_scope() as s:
+        assert store.transition_job(s, job_id=job_id, from_=["running"], to="running", workflow_source="x")
+        assert not store.transition_job(s, job_id=job_id, from_=["queued"], to="running")
+    with session_scope() as s:
+        assert s.get_bind().dialect.name == "postgresql"
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None and job.workflow_source == "x"
+
+
+def test_errors_arrive_as_sqlalchemy_errors_and_roll_back() -> None:
+    job_id = planned_job()
+    with pytest.raises(sa.exc.IntegrityError), session_scope() as s:
+        assert store.claim_planning(s, job_id=job_id) is None  # running: not claimable, a no-op
+        store.transition_job(s, job_id=job_id, from_=["running"], to="running", workflow_source="rolled back")
+        store.open_attempt(s, step_id=-1, n=1, worker="w")  # no such step: the foreign key refuses it
+    with session_scope() as s:  # nothing of that transaction was written, and the pool is usable
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None and job.status == "running" and job.workflow_source != "rolled back"
