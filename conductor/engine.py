@@ -142,7 +142,7 @@ def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
                 return Dispatch()  # cancelled while the planner ran, or this claim was superseded
             rows = step_rows(s, job, wf)  # a replay's reusable steps arrive already succeeded
             store.insert_steps(s, steps=rows)
-            done = [row.index for row in rows if row.status == StepStatus.SUCCEEDED]
+            done = [row["index"] for row in rows if row["status"] == StepStatus.SUCCEEDED]
             if len(done) == len(rows):
                 return Dispatch(finalize=[job_id])
             roots = ready_steps(wf.dependencies, done=done, started=done)

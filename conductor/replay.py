@@ -171,22 +171,21 @@ def replay_plan(result: PlanResult, job: Job) -> PlanResult:
     return result
 
 
-def step_rows(session: Session, job: Job, wf: Workflow) -> list[Step]:
-    """One row per step of the job's workflow; a replay's reusable steps come already succeeded."""
+def step_rows(session: Session, job: Job, wf: Workflow) -> list[dict[str, Any]]:
+    """One row per step of the job's workflow (``store.new_step_row``); a replay's reusable steps come
+    already succeeded."""
     reuse = _reusable(session, job, wf)
     now = utcnow()
     rows = []
     for i, step in enumerate(wf.steps):
-        row = Step(job_id=job.id, index=i, agent=step.agent, instruction=step.instruction,
-                   access_list=wf.resolved_access(i), access_all=step.access_list == "all")
+        values: dict[str, Any] = {"job_id": job.id, "index": i, "agent": step.agent, "instruction": step.instruction,
+                                  "access_list": wf.resolved_access(i), "access_all": step.access_list == "all"}
         original = reuse.get(i)
         if original is not None:
-            row.status = StepStatus.SUCCEEDED
-            row.reused_from = original.id
-            row.provider, row.model, row.finish_reason = original.provider, original.model, original.finish_reason
-            row.messages, row.output = original.messages, original.output
-            row.started_at = row.finished_at = now
-        rows.append(row)
+            values.update(status=StepStatus.SUCCEEDED, reused_from=original.id, provider=original.provider,
+                          model=original.model, finish_reason=original.finish_reason, messages=original.messages,
+                          output=original.output, started_at=now, finished_at=now)
+        rows.append(store.new_step_row(**values))
     return rows
 
 

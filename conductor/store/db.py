@@ -20,6 +20,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+ONE_TRANSACTION = "conductor_one_transaction"
+"""``Session.info`` key: set on a ``transaction`` session, whose body never commits or rolls back itself,
+so its connection stays the same from its first statement to the commit (``store.jobs._core`` keeps it)."""
+
 _HOT_PATH: ContextVar[bool] = ContextVar("conductor_hot_path", default=False)
 """Set while ``transaction`` runs: connections checked out for the step hot path are not probed."""
 
@@ -93,6 +97,7 @@ def transaction(body: Callable[[Session], T], *, url: str | None = None) -> T:
             hot = _HOT_PATH.set(True)
             try:
                 with Session(get_engine(url), expire_on_commit=False) as session:
+                    session.info[ONE_TRANSACTION] = True
                     try:
                         result = body(session)
                         session.commit()

@@ -77,3 +77,21 @@ def test_errors_arrive_as_sqlalchemy_errors_and_roll_back() -> None:
     with session_scope() as s:  # nothing of that transaction was written, and the pool is usable
         job = store.get_job(s, job_id=job_id)
         assert job is not None and job.status == "running" and job.workflow_source != "rolled back"
+
+
+def test_the_connection_is_kept_only_for_a_single_transaction_session() -> None:
+    from conductor.store.db import transaction
+
+    def body(s: Session) -> bool:
+        first = store._core(s)
+        return store._core(s) is first and first.connection is s.connection()
+
+    assert transaction(body)
+    job_id = planned_job()
+    with session_scope() as s:  # may commit midway: the next transaction may run on another connection
+        before = store._core(s)
+        assert store.lock_job(s, job_id=job_id) is not None
+        s.commit()
+        after = store._core(s)
+        assert after is not before and after.connection is s.connection()
+        assert store.lock_job(s, job_id=job_id) is not None

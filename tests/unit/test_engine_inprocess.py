@@ -218,3 +218,21 @@ def test_a_duplicated_message_records_one_outcome(settings: Settings) -> None:
     drain(Dispatch(steps=first.steps * 2), settings)  # the broker delivered the step twice
     job, [step] = load(job_id)
     assert job.status == JobStatus.SUCCEEDED and len(attempts(step)) == 1 and job.calls == 1
+
+
+def test_a_new_step_row_is_what_the_model_would_insert() -> None:
+    from conductor.store import jobs as store
+    from conductor.store.models import Step, StepStatus
+
+    values = {"job_id": "j" * 32, "index": 2, "agent": "a", "instruction": "do it", "access_list": [0, 1],
+              "access_all": False}
+    model = Step(**values)  # type: ignore[arg-type]
+    expected = {attr: getattr(model, attr) for attr, _ in store._columns(Step, ("id",))}
+    assert store.new_step_row(**values) == expected
+    assert store.new_step_row(**values)["status"] == StepStatus.PENDING and expected["reserved_usd"] == 0.0
+    with pytest.raises(TypeError, match="not a step column"):
+        store.new_step_row(**values, outptu="typo")
+    with pytest.raises(TypeError, match="a step needs"):
+        store.new_step_row(index=0, agent="a", instruction="x", access_list=[])
+    first, second = store.new_step_row(**{**values, "access_list": None}), store.new_step_row(**values)
+    assert first["access_list"] is None and second["access_list"] == [0, 1]
