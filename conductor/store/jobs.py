@@ -210,7 +210,7 @@ def insert_job(session: Session, *, job: Job) -> None:
     execution instead of caching its conversion (``MAX_CACHED_STATEMENT_PARAMS``), 6 % of the API's CPU
     per submit. A new job has about 25 non-null columns, in a handful of combinations."""
     values = {column: value for attr, column in _columns(Job) if (value := getattr(job, attr)) is not None}
-    session.connection().execute(_insert_job_stmt(), values)  # its columns are the keys given: SQLAlchemy's path
+    _core(session).execute(_insert_job_stmt(tuple(values)), values)
 
 
 @cache
@@ -221,9 +221,10 @@ def _columns(model: type[Job] | type[Step], without: tuple[str, ...] = ()) -> tu
                  if prop.columns[0].key not in without)
 
 
-@cache
-def _insert_job_stmt() -> sa.Insert:
-    return sa.insert(JOB)
+@lru_cache(maxsize=64)
+def _insert_job_stmt(columns: tuple[str, ...]) -> sa.Insert:
+    """Prebuilt per set of columns (a handful occur), so the driver's cursor can run it."""
+    return sa.insert(JOB).values({c: sa.bindparam(c, type_=JOB.c[c].type) for c in columns})
 
 
 def insert_steps(session: Session, *, steps: Sequence[Mapping[str, Any]]) -> None:

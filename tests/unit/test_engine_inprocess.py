@@ -236,3 +236,17 @@ def test_a_new_step_row_is_what_the_model_would_insert() -> None:
         store.new_step_row(index=0, agent="a", instruction="x", access_list=[])
     first, second = store.new_step_row(**{**values, "access_list": None}), store.new_step_row(**values)
     assert first["access_list"] is None and second["access_list"] == [0, 1]
+
+
+def test_a_constructed_job_has_the_models_defaults() -> None:
+    """``create_job`` builds its Job with ``model_construct`` (it is inserted by Core, never by the ORM):
+    every column must come out as the model's own constructor makes it."""
+    from conductor.store import jobs as store
+    from conductor.store.models import Job
+
+    values = {"tenant": "t", "task": "x", "pool": "p", "pool_config": {}, "planner": "conductor", "limits": {},
+              "meta": {"k": 1}, "webhook_url": None}
+    built, constructed = Job(**values), Job.model_construct(**values)  # type: ignore[arg-type]
+    differ = [a for a, _ in store._columns(Job) if getattr(built, a) != getattr(constructed, a)]
+    assert differ == ["id", "created_at", "updated_at"]  # fresh per instance
+    assert len(constructed.id) == 32 and constructed.created_at.tzinfo is not None
