@@ -257,6 +257,11 @@ class Progress:
             job = store.get_job(s, job_id=self.job_id)
             assert job is not None
             steps = store.get_steps(s, job_id=self.job_id)
+            if steps and job.workflow_source is None:
+                # The plan (its steps and the job's plan columns, one transaction) committed between the two
+                # reads: SQLite reads each SELECT in its own snapshot here. Read the job again, or the
+                # "planned by" line would name no planner.
+                s.refresh(job)
         if job.status != self.seen.job_status:
             self._job_changed(job, steps)
         if steps and not self.seen.planned:

@@ -250,3 +250,29 @@ def test_a_constructed_job_has_the_models_defaults() -> None:
     differ = [a for a, _ in store._columns(Job) if getattr(built, a) != getattr(constructed, a)]
     assert differ == ["id", "created_at", "updated_at"]  # fresh per instance
     assert len(constructed.id) == 32 and constructed.created_at.tzinfo is not None
+
+
+def test_progress_names_the_planner_when_the_plan_commits_between_its_two_reads(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``conductor run``'s progress reads the job, then its steps; SQLite gives each SELECT its own
+    snapshot, so a plan committed in between showed its steps beside a job row from before the plan:
+    "? template:single: 1 step (source=?, …)". Seen once in CI under load; forced here."""
+    import io
+
+    from conductor.embedded import Progress
+
+    job_id = submit(settings, task="t")
+    real_get_steps = store.get_steps
+    planned: list[bool] = []
+
+    def plan_first(session: Any, *, job_id: str) -> list[Step]:
+        if not planned:
+            planned.append(True)
+            plan_job(job_id, settings=settings)  # another transaction commits the plan now
+        return real_get_steps(session, job_id=job_id)
+
+    monkeypatch.setattr(store, "get_steps", plan_first)
+    err = io.StringIO()
+    Progress(job_id, err, started=0.0).update()
+    assert planned and "planned by template:single: 1 step (source=planner, format_valid=True)" in err.getvalue()
