@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, default=8000)
     c.add_argument("--workers", type=int, default=1, metavar="N",
                    help="API processes (default 1); one process uses at most one core, see docs/benchmarks.md")
+    c.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
     c.set_defaults(handler=_serve)
 
     c = sub.add_parser("worker", help="run a Celery worker")
@@ -187,8 +189,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("conductor serve: --workers must be at least 1", file=sys.stderr)
         return 2
+    from conductor.service.server import PROTOCOL
+
     uvicorn.run("conductor.service.app:create_app", factory=True, host=args.host, port=args.port,
-                workers=args.workers)
+                workers=args.workers, http=PROTOCOL, log_level=args.log_level)
     return 0
 
 

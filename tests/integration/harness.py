@@ -103,8 +103,11 @@ def start_worker(env: dict[str, str], name: str, queues: str = ALL_QUEUES, concu
 
 def start_api(env: dict[str, str], workers: int = 1, cwd: Path = ROOT) -> tuple[Proc, str]:
     port = free_port()
-    argv = [sys.executable, "-m", "uvicorn", "conductor.service.app:create_app", "--factory",
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--workers", str(workers)]
+    argv = [sys.executable, "-m", "conductor.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning", "--workers", str(workers)]  # as deployed (conductor/service/server.py)
+    if not (cwd / "conductor" / "service" / "server.py").exists():  # an older checkout (bench --code)
+        argv = [sys.executable, "-m", "uvicorn", "conductor.service.app:create_app", "--factory",
+                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--workers", str(workers)]
     proc = Proc("api", argv, env, cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
