@@ -3,11 +3,10 @@ duplicated or redelivered message can never move a row backwards or run finished
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import cache, lru_cache, partial
+from functools import cache, lru_cache
 from typing import Any
 
 import sqlalchemy as sa
@@ -253,17 +252,15 @@ def new_step_row(**values: Any) -> dict[str, Any]:
 
 @cache
 def _step_defaults() -> tuple[dict[str, Any], dict[str, Callable[[], Any]]]:
-    """The model's defaults, read once: plain values, and factories for the ones that must not be shared."""
+    """The model's defaults, read once: plain values, and the factories called for each row."""
     defaults: dict[str, Any] = {}
     factories: dict[str, Callable[[], Any]] = {}
     for attr, _ in _columns(Step, ("id",)):
         field = Step.model_fields[attr]
         if field.default_factory is not None:
             factories[attr] = field.default_factory  # type: ignore[assignment]
-        elif isinstance(field.default, (list, dict)):
-            factories[attr] = partial(copy.deepcopy, field.default)
         else:
-            defaults[attr] = field.get_default()
+            defaults[attr] = field.default
     return defaults, factories
 
 

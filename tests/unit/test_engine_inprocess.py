@@ -234,8 +234,9 @@ def test_a_new_step_row_is_what_the_model_would_insert() -> None:
         store.new_step_row(**values, outptu="typo")
     with pytest.raises(TypeError, match="a step needs"):
         store.new_step_row(index=0, agent="a", instruction="x", access_list=[])
-    first, second = store.new_step_row(**{**values, "access_list": None}), store.new_step_row(**values)
-    assert first["access_list"] is None and second["access_list"] == [0, 1]
+    bare = {k: v for k, v in values.items() if k != "access_list"}
+    first, second = store.new_step_row(**bare), store.new_step_row(**bare)
+    assert first["access_list"] == [] and first["access_list"] is not second["access_list"]  # a factory per row
 
 
 def test_a_constructed_job_has_the_models_defaults() -> None:
