@@ -303,7 +303,7 @@ def _claim(
         row = store.read_step_input(s, job_id=job_id, index=index)
     if row is None or row.job_status != JobStatus.RUNNING:
         return Dispatch()
-    visible = store.visible_outputs(s, job_id=job_id, indices=row.access_list)
+    visible = row.visible
     inherited = [Message(m["role"], m["content"]) for m in (row.context or [])]
     messages = worker_messages(task=row.task, visible=visible, instruction=row.instruction, inherited=inherited)
     spent = Spent(tokens=row.spent_tokens, cost_usd=row.spent_cost_usd)
@@ -335,12 +335,12 @@ def _claim(
     runs = refusal is None and not recursive
     claim = store.claim_step_row(
         s, job_id=job_id, index=index, owner=owner, lease_s=settings.step_lease_s, task_id=task_id,
-        count_attempt=runs, **values,
+        count_attempt=runs, open_below=settings.step_max_attempts, **values,
     )
     if claim is None:
         return Dispatch()  # finished, running under a live lease elsewhere, not due, or the job ended
     if claim.attempts:
-        store.close_lost_attempts(s, step_id=claim.step_id)
+        store.close_lost_attempts(s, step_id=claim.step_id, keep=claim.attempt_id)
     if claim.attempts >= settings.step_max_attempts and not recursive:
         return _Refused(claim.step_id, StepAbandoned(
             f"the worker running this step stopped mid-call; gave up after {claim.attempts} attempts"), owner,
@@ -352,9 +352,9 @@ def _claim(
         assert job is not None
         return _start_child(s, job, claim.step_id, index, row.instruction, visible=visible, inherited=inherited,
                             messages=messages, limits=remaining_limits)
-    assert config is not None
+    assert config is not None and claim.attempt_id is not None  # opened with the claim: it runs, below the cap
     n = claim.attempts + 1
-    attempt_id = store.open_attempt(s, step_id=claim.step_id, n=n, worker=owner)
+    attempt_id = claim.attempt_id
     deadline = deadline_of(row.limits, row.created_at)
     return _Claimed(claim.step_id, attempt_id, n, row.agent, messages, config, max_tokens, deadline, owner,
                     row.tenant)
@@ -459,11 +459,10 @@ def _fail_step(
 
     def record(s: Session) -> bool:
         store.lock_job(s, job_id=job_id)
-        if attempt_id is not None:
-            failed = attempt_error or exc
-            store.finish_attempt(s, attempt_id=attempt_id, latency_ms=latency_ms,
-                                 error_type=failed.error_type, error=str(failed))
-        return store.record_step(s, step_id=step_id, owner=owner, to=StepStatus.FAILED,
+        failed = attempt_error or exc
+        closing = None if attempt_id is None else store.AttemptEnd(
+            attempt_id, latency_ms, error_type=failed.error_type, error=str(failed))
+        return store.record_step(s, step_id=step_id, owner=owner, to=StepStatus.FAILED, closing=closing,
                                  error_type=exc.error_type, error=message, **extra)
 
     if not transaction(record):
@@ -484,8 +483,9 @@ def _record_success(
         parent.clear()
         ended.clear()
         head = store.lock_job(s, job_id=job_id)
-        store.finish_attempt(s, attempt_id=attempt_id, latency_ms=completion.latency_ms)
-        if not store.record_step(s, step_id=step_id, owner=owner, to=StepStatus.SUCCEEDED, **columns):
+        closing = store.AttemptEnd(attempt_id, completion.latency_ms)
+        if not store.record_step(s, step_id=step_id, owner=owner, to=StepStatus.SUCCEEDED, closing=closing,
+                                 **columns):
             # Cancelled or taken over meanwhile: the answer is dropped, its cost is not.
             store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, input_tokens=completion.input_tokens,
                                        output_tokens=completion.output_tokens, cost_usd=columns["cost_usd"])

@@ -70,10 +70,12 @@ class Rows:
 class Direct:
     """The session's connection, for prebuilt statements (``execute(stmt, params)``)."""
 
-    __slots__ = ("connection",)
+    __slots__ = ("connection", "postgres")
 
     def __init__(self, session: Session):
         self.connection = session.connection()
+        self.postgres = self.connection.dialect.name == "postgresql"
+        """Postgres: statements may carry data-modifying CTEs (one round trip for what SQLite needs two)."""
 
     def execute(self, stmt: sa.Executable, params: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Any:
         conn = self.connection

@@ -11,6 +11,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from pydantic_core import PydanticUndefined
+from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlmodel import Session, col, select
 
 from conductor.errors import ErrorType
@@ -293,11 +294,15 @@ def _mark_queued_stmt() -> sa.Update:
 WORKER_LOST = ErrorType.WORKER_LOST
 
 
-def close_lost_attempts(session: Session, *, step_id: int) -> int:
-    """Attempts still open when a step is re-claimed belonged to a worker that died mid-call."""
+def close_lost_attempts(session: Session, *, step_id: int, keep: int | None = None) -> int:
+    """Attempts still open when a step is re-claimed belonged to a worker that died mid-call (all but
+    ``keep``, the attempt the new claim opened)."""
+    lost = [col(StepAttempt.step_id) == step_id, col(StepAttempt.finished_at).is_(None)]
+    if keep is not None:
+        lost.append(col(StepAttempt.id) != keep)
     result = session.execute(
         sa.update(StepAttempt)
-        .where(col(StepAttempt.step_id) == step_id, col(StepAttempt.finished_at).is_(None))
+        .where(*lost)
         .values(
             finished_at=utcnow(),
             error_type=WORKER_LOST,
@@ -410,20 +415,29 @@ class StepInput:
     tenant: str
     unstarted: int
     """This job's steps not yet claimed (pending or queued), this one included while it is queued."""
+    visible: list[tuple[str, str]]
+    """(subtask, answer) of each step on the access list, in step order."""
 
 
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
     """The job's task, context, limits and pool, what its steps spent or hold reserved so far (the
-    budgets count both), and this step's row."""
-    row = _core(session).execute(_read_step_input_stmt(), {"p_job_id": job_id, "p_index": index}).first()
+    budgets count both), this step's row and the outputs its access list lets it see. On Postgres the
+    outputs come in the same statement (one ``jsonb_agg``); elsewhere in a second one."""
+    direct = _core(session)
+    row = direct.execute(_read_step_input_stmt(direct.postgres), {"p_job_id": job_id, "p_index": index}).first()
     if row is None:
         return None
+    access_list = list(row[10] or [])
+    if direct.postgres:
+        visible = [(subtask, answer or "") for subtask, answer in row[13] or []]
+    else:
+        visible = visible_outputs(session, job_id=job_id, indices=access_list)
     return StepInput(row[0], row[1], row[2], row[3] or {}, row[4] or {}, row[5], int(row[6]), float(row[7]),
-                     row[8], row[9], list(row[10] or []), row[11], int(row[12]))
+                     row[8], row[9], access_list, row[11], int(row[12]), visible)
 
 
 @cache
-def _read_step_input_stmt() -> sa.Select[Any]:
+def _read_step_input_stmt(with_visible: bool) -> sa.Select[Any]:
     j, st, other = JOB, STEP, STEP.alias("other")
     job_id = sa.bindparam("p_job_id", type_=sa.String())
     mine = other.c.job_id == job_id
@@ -433,13 +447,23 @@ def _read_step_input_stmt() -> sa.Select[Any]:
         mine).scalar_subquery()
     unstarted = sa.select(sa.func.count()).where(
         mine, sa.or_(other.c.status == StepStatus.PENDING, other.c.status == StepStatus.QUEUED)).scalar_subquery()
-    return (
-        sa.select(
-            j.c.status, j.c.task, j.c.context, j.c.limits, j.c.pool_config, j.c.created_at,
-            j.c.planner_input_tokens + j.c.planner_output_tokens + spent,
-            j.c.planner_cost_usd + spent_usd,
-            st.c.agent, st.c.instruction, st.c.access_list, j.c.tenant, unstarted,
+    columns: list[Any] = [
+        j.c.status, j.c.task, j.c.context, j.c.limits, j.c.pool_config, j.c.created_at,
+        j.c.planner_input_tokens + j.c.planner_output_tokens + spent,
+        j.c.planner_cost_usd + spent_usd,
+        st.c.agent, st.c.instruction, st.c.access_list, j.c.tenant, unstarted,
+    ]
+    if with_visible:  # Postgres: [[subtask, answer], …] of the steps on the access list, in step order
+        seen = STEP.alias("seen")
+        pair = sa.func.jsonb_build_array(seen.c.instruction, seen.c.output)
+        columns.append(
+            sa.select(sa.func.jsonb_agg(aggregate_order_by(pair, seen.c.index), type_=JSONB))
+            .where(seen.c.job_id == job_id,
+                   st.c.access_list.op("@>", return_type=sa.Boolean)(sa.func.jsonb_build_array(seen.c.index)))
+            .scalar_subquery()
         )
+    return (
+        sa.select(*columns)
         .select_from(j.join(st, sa.and_(st.c.job_id == j.c.id, st.c.index == sa.bindparam("p_index"))))
         .where(j.c.id == job_id)
     )
@@ -466,6 +490,8 @@ class ClaimedStep:
     step_id: int
     attempts: int
     """Attempts before this claim: more than 0 means an earlier worker started this step."""
+    attempt_id: int | None = None
+    """The attempt this claim opened (``open_below``), None when it opened none."""
 
 
 def claim_step_row(
@@ -477,19 +503,38 @@ def claim_step_row(
     lease_s: float,
     task_id: str | None,
     count_attempt: bool,
+    open_below: int | None = None,
     **values: Any,
 ) -> ClaimedStep | None:
     """queued -> running (or re-take a running step whose lease expired: its worker died), only while the
     job runs. ``owner`` is unique per claim: the fencing token every later write of this claim checks.
-    The same owner may claim again (a retried transaction whose commit did land)."""
+    The same owner may claim again (a retried transaction whose commit did land).
+
+    With ``open_below`` (and ``count_attempt``) the claim also opens the attempt it counted, when fewer
+    than ``open_below`` attempts came before it: on Postgres in the same statement (the claim's
+    ``UPDATE … RETURNING`` feeds an ``INSERT`` in one ``WITH``), elsewhere in a second one."""
     now = utcnow()
     params = {"p_job_id": job_id, "p_index": index, "p_owner": owner, "p_now": now,
               "p_expires": now + timedelta(seconds=lease_s), "p_task_id": task_id,
               **{f"v_{k}": v for k, v in values.items()}}
-    row = _core(session).execute(_claim_stmt(tuple(sorted(values)), count_attempt), params).first()
+    direct = _core(session)
+    keys = tuple(sorted(values))
+    opens = open_below is not None and count_attempt
+    if opens and direct.postgres:
+        params["p_open_below"] = open_below
+        row = direct.execute(_claim_and_open_stmt(keys), params).first()
+        if row is None:
+            return None
+        return ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - 1,
+                           attempt_id=int(row[2]) if row[2] is not None else None)
+    row = direct.execute(_claim_stmt(keys, count_attempt), params).first()
     if row is None:
         return None
-    return ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - (1 if count_attempt else 0))
+    claim = ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - (1 if count_attempt else 0))
+    if opens and claim.attempts < open_below:  # type: ignore[operator]
+        opened = open_attempt(session, step_id=claim.step_id, n=claim.attempts + 1, worker=owner)
+        return ClaimedStep(claim.step_id, claim.attempts, opened)
+    return claim
 
 
 @lru_cache(maxsize=32)
@@ -520,6 +565,27 @@ def _claim_stmt(keys: tuple[str, ...], count_attempt: bool) -> sa.Update:
         )
         .returning(st.c.id, st.c.attempts)
     )
+
+
+@lru_cache(maxsize=32)
+def _claim_and_open_stmt(keys: tuple[str, ...]) -> sa.Select[Any]:
+    """Postgres: ``WITH claimed AS (UPDATE step … RETURNING id, attempts), opened AS (INSERT INTO
+    step_attempt SELECT … FROM claimed WHERE attempts < open_below + 1 RETURNING id) SELECT claimed.id,
+    claimed.attempts, opened.id``: the claim and its attempt in one round trip."""
+    a = ATTEMPT
+    claimed = _claim_stmt(keys, True).cte("claimed")
+    opened = (
+        sa.insert(a)
+        .from_select(
+            ["step_id", "n", "worker", "started_at"],
+            sa.select(claimed.c.id, claimed.c.attempts, sa.bindparam("p_owner", type_=sa.String()),
+                      sa.bindparam("p_now", type_=UTCDateTime()))
+            .where(claimed.c.attempts <= sa.bindparam("p_open_below", type_=sa.Integer())),
+        )
+        .returning(a.c.id)
+        .cte("opened")
+    )
+    return sa.select(claimed.c.id, claimed.c.attempts, sa.select(opened.c.id).scalar_subquery())
 
 
 def open_attempt(session: Session, *, step_id: int, n: int, worker: str) -> int:
@@ -583,13 +649,39 @@ def _lock_job_stmt() -> sa.Select[Any]:
             .where(j.c.id == sa.bindparam("p_job_id")).with_for_update())
 
 
-def record_step(session: Session, *, step_id: int, owner: str, to: str, **values: Any) -> bool:
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How the attempt a step's outcome closes ended (``finish_attempt``'s arguments)."""
+
+    attempt_id: int
+    latency_ms: int
+    error_type: str | None = None
+    error: str | None = None
+
+
+def record_step(
+    session: Session, *, step_id: int, owner: str, to: str, closing: AttemptEnd | None = None, **values: Any
+) -> bool:
     """running -> ``to`` for the claim ``owner`` holds; True also when this claim already recorded it (a
     retried transaction whose first commit landed), False when the step was cancelled or taken over.
     Usage is added to what the step already carries (a call of a worker that lost the step was paid for
-    too: ``add_unrecorded_usage``), once: only by the update that ends the step."""
+    too: ``add_unrecorded_usage``), once: only by the update that ends the step.
+
+    ``closing`` also closes the claim's attempt (fenced like ``finish_attempt``, and whether or not the
+    step is still this claim's): on Postgres in the same statement (``WITH closed AS (UPDATE
+    step_attempt …) UPDATE step …``), elsewhere in a second one."""
     params = {"p_step_id": step_id, "p_owner": owner, "p_now": utcnow(), **{f"v_{k}": v for k, v in values.items()}}
-    return _rowcount(_core(session).execute(_record_stmt(str(to), tuple(sorted(values))), params)) == 1
+    direct = _core(session)
+    stmt = _record_stmt(str(to), tuple(sorted(values)))
+    if closing is not None:
+        if direct.postgres:
+            params.update(p_id=closing.attempt_id, p_latency=closing.latency_ms, p_error_type=closing.error_type,
+                          p_error=closing.error)
+            stmt = _record_and_close_stmt(str(to), tuple(sorted(values)))
+        else:
+            finish_attempt(session, attempt_id=closing.attempt_id, latency_ms=closing.latency_ms,
+                           error_type=closing.error_type, error=closing.error)
+    return _rowcount(direct.execute(stmt, params)) == 1
 
 
 @lru_cache(maxsize=32)
@@ -606,6 +698,13 @@ def _record_stmt(to: str, keys: tuple[str, ...]) -> sa.Update:
         .values(status=to, finished_at=sa.bindparam("p_now", type_=UTCDateTime()), lease_expires_at=None,
                 **RELEASED, **usage, **rest)
     )
+
+
+@lru_cache(maxsize=32)
+def _record_and_close_stmt(to: str, keys: tuple[str, ...]) -> sa.Update:
+    """Postgres: the attempt's close as a data-modifying CTE of the step's record (one round trip; the
+    statement's row count is the step's)."""
+    return _record_stmt(to, keys).add_cte(_finish_attempt_stmt().cte("closed"))
 
 
 @dataclass(frozen=True)

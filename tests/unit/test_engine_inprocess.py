@@ -10,7 +10,7 @@ tests/integration; this tier pins the engine's decisions in seconds.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from conductor.store import jobs as store
 from conductor.store.db import clear_engines, get_engine, session_scope
 from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus
 from conductor.submission import JobCreate, create_job
+from tests.hot_path_cases import CASES
 
 POOL = """
 planner: template:single
@@ -277,3 +278,8 @@ def test_progress_names_the_planner_when_the_plan_commits_between_its_two_reads(
     err = io.StringIO()
     Progress(job_id, err, started=0.0).update()
     assert planned and "planned by template:single: 1 step (source=planner, format_valid=True)" in err.getvalue()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
+def test_store_case_on_sqlite(settings: Settings, case: Callable[[], None]) -> None:
+    case()  # the folded Postgres statements run here as two each, leaving the same rows

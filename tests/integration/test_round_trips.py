@@ -1,0 +1,67 @@
+"""The step hot path's round trips on Postgres: a step is claimed in two statements (its input with the
+outputs it may see; the claim with its attempt) and recorded in four (the job-row lock; the outcome with
+its attempt's close; the step heads; the steps it made ready). SQLite (embedded mode) runs the folded
+statements as two each: the store cases (tests/hot_path_cases.py) run on both."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from conductor.engine import plan_job, run_step
+from conductor.settings import get_settings
+from conductor.store import jobs as store
+from conductor.store.db import get_engine, session_scope
+from conductor.store.models import StepStatus
+from tests.hot_path_cases import CASES, new_chain
+
+
+@pytest.fixture
+def statements() -> Iterator[list[str]]:
+    seen: list[str] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        seen.append(" ".join(statement.split()))
+
+    engine = get_engine()
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    yield seen
+    sa.event.remove(engine, "before_cursor_execute", capture)
+
+
+def test_a_middle_step_is_six_statements_in_two_transactions(statements: list[str]) -> None:
+    settings = get_settings()
+    job_id = new_chain(3)
+    plan_job(job_id, settings=settings)
+    run_step(job_id, 0, worker="trips", task_id=None, settings=settings)
+    statements.clear()
+
+    ready = run_step(job_id, 1, worker="trips", task_id=None, settings=settings)
+
+    assert ready.steps == [(job_id, 2)]
+    kinds = [s.split(" ")[0] for s in statements]
+    assert len(statements) == 6, statements
+    assert kinds == ["SELECT", "WITH", "SELECT", "WITH", "SELECT", "UPDATE"], statements
+    assert "jsonb_agg" in statements[0]  # the visible outputs ride on the input's read
+    assert "INSERT INTO step_attempt" in statements[1]  # the claim opens its attempt
+    assert "FOR UPDATE" in statements[2]
+    assert "UPDATE step_attempt" in statements[3] and "UPDATE step SET" in statements[3]
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=1)
+        first = store.get_step(s, job_id=job_id, index=0)
+        assert step is not None and step.id is not None and first is not None
+        attempts = store.get_attempts(s, step_ids=[step.id])
+    assert step.status == StepStatus.SUCCEEDED and step.attempts == 1
+    assert [(a.n, a.error_type) for a in attempts] == [(1, None)]
+    assert attempts[0].finished_at is not None and attempts[0].latency_ms is not None
+    assert attempts[0].worker == step.lease_owner  # the claim's owner opened it
+    contents = [m["content"] for m in step.messages or []]
+    assert contents[-3:] == ["part 0", first.output, "part 1"]  # step 0's turn, seen through the access list
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
+def test_store_case_on_postgres(case: Callable[[], None]) -> None:
+    case()
