@@ -484,15 +484,15 @@ def _record_success(
         ended.clear()
         head = store.lock_job(s, job_id=job_id)
         closing = store.AttemptEnd(attempt_id, completion.latency_ms)
-        if not store.record_step(s, step_id=step_id, owner=owner, to=StepStatus.SUCCEEDED, closing=closing,
-                                 **columns):
+        recorded, steps = store.record_step_and_heads(s, job_id=job_id, step_id=step_id, owner=owner,
+                                                      to=StepStatus.SUCCEEDED, closing=closing, **columns)
+        if not recorded:
             # Cancelled or taken over meanwhile: the answer is dropped, its cost is not.
             store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, input_tokens=completion.input_tokens,
                                        output_tokens=completion.output_tokens, cost_usd=columns["cost_usd"])
             return Dispatch()
         if head is None or head.status != JobStatus.RUNNING:
             return Dispatch()
-        steps = store.step_heads(s, job_id=job_id)
         if any(st.status == StepStatus.FAILED for st in steps):
             return None  # another step failed: the job fails, after this commit
         if all(st.status == StepStatus.SUCCEEDED for st in steps):

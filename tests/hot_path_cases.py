@@ -101,8 +101,41 @@ def recording_closes_the_attempt_only_if_still_open() -> None:
     assert (attempt.latency_ms, attempt.error_type, attempt.error) == (17, "server_error", "boom")  # first close kept
 
 
+def recording_returns_the_heads_with_this_step_as_recorded() -> None:
+    settings = get_settings()
+    job_id = new_chain(3)
+    plan_job(job_id, settings=settings)
+    run_step(job_id, 0, worker="trips", task_id=None, settings=settings)
+    claimed = transaction(lambda s: store.claim_step_row(
+        s, job_id=job_id, index=1, owner="heads#1", lease_s=60.0, task_id=None, count_attempt=True, open_below=4))
+    assert claimed is not None and claimed.attempt_id is not None
+    end = store.AttemptEnd(claimed.attempt_id, 5)
+
+    def record(owner: str) -> Any:
+        def body(s: Any) -> Any:
+            assert store.lock_job(s, job_id=job_id) is not None
+            return store.record_step_and_heads(s, job_id=job_id, step_id=claimed.step_id, owner=owner,
+                                               to=StepStatus.SUCCEEDED, closing=end, output="one",
+                                               input_tokens=7, output_tokens=3, cost_usd=0.5)
+        return transaction(body)
+
+    assert record("someone-else#1") == (False, [])  # taken over: nothing recorded, no heads
+    recorded, heads = record("heads#1")
+    assert recorded
+    assert [(h.index, h.status) for h in heads] == [(0, "succeeded"), (1, "succeeded"), (2, "pending")]
+    with session_scope() as s:
+        expected = store.step_heads(s, job_id=job_id)  # what a separate read after the commit sees
+        (attempt,) = store.get_attempts(s, step_ids=[claimed.step_id])
+    assert heads == expected
+    assert (heads[1].input_tokens, heads[1].output_tokens, heads[1].cost_usd) == (7, 3, 0.5)
+    assert attempt.finished_at is not None and attempt.latency_ms == 5
+    again, heads = record("heads#1")  # a retried transaction whose first commit landed: usage added once
+    assert again and heads == expected
+
+
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
     recording_closes_the_attempt_only_if_still_open,
+    recording_returns_the_heads_with_this_step_as_recorded,
 )

@@ -11,7 +11,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from pydantic_core import PydanticUndefined
-from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlmodel import Session, col, select
 
 from conductor.errors import ErrorType
@@ -276,16 +276,20 @@ def mark_steps_queued(session: Session, *, job_id: str, indices: Sequence[int]) 
     if not indices:
         return []
     params = {"p_job_id": job_id, "p_indices": list(indices), "p_now": utcnow()}
-    return sorted(int(i) for i in _core(session).execute(_mark_queued_stmt(), params).scalars())
+    direct = _core(session)
+    return sorted(int(i) for i in direct.execute(_mark_queued_stmt(direct.postgres), params).scalars())
 
 
 @cache
-def _mark_queued_stmt() -> sa.Update:
+def _mark_queued_stmt(postgres: bool) -> sa.Update:
+    """On Postgres ``index = ANY(:indices)`` (one array parameter: a statement prepared once, on the
+    driver's cursor); elsewhere an ``IN`` list SQLAlchemy expands per execution."""
     st = STEP
+    listed = (st.c.index == sa.any_(sa.bindparam("p_indices", type_=ARRAY(sa.Integer()))) if postgres
+              else st.c.index.in_(sa.bindparam("p_indices", expanding=True)))
     return (
         sa.update(st)
-        .where(st.c.job_id == sa.bindparam("p_job_id"), st.c.index.in_(sa.bindparam("p_indices", expanding=True)),
-               st.c.status == StepStatus.PENDING)
+        .where(st.c.job_id == sa.bindparam("p_job_id"), listed, st.c.status == StepStatus.PENDING)
         .values(status=StepStatus.QUEUED, queued_at=sa.bindparam("p_now", type_=UTCDateTime()))
         .returning(st.c.index)
     )
@@ -731,9 +735,49 @@ def step_heads(session: Session, *, job_id: str) -> list[StepHead]:
 @cache
 def _step_heads_stmt() -> sa.Select[Any]:
     st = STEP
-    return (sa.select(st.c.index, st.c.status, st.c.access_list, st.c.agent, st.c.attempts, st.c.input_tokens,
-                      st.c.output_tokens, st.c.cost_usd, st.c.error_type, st.c.error)
-            .where(st.c.job_id == sa.bindparam("p_job_id")).order_by(st.c.index))
+    return sa.select(*_head_columns(st)).where(st.c.job_id == sa.bindparam("p_job_id")).order_by(st.c.index)
+
+
+def _head_columns(st: sa.Table) -> tuple[sa.Column[Any], ...]:
+    """``StepHead``'s columns, in its order."""
+    return (st.c.index, st.c.status, st.c.access_list, st.c.agent, st.c.attempts, st.c.input_tokens,
+            st.c.output_tokens, st.c.cost_usd, st.c.error_type, st.c.error)
+
+
+def record_step_and_heads(
+    session: Session, *, job_id: str, step_id: int, owner: str, to: str, closing: AttemptEnd, **values: Any
+) -> tuple[bool, list[StepHead]]:
+    """``record_step`` and then ``step_heads`` of the job (this step as recorded), for a caller that holds
+    the job row's lock (``lock_job``): on Postgres one statement, ``WITH closed AS (UPDATE step_attempt
+    …), recorded AS (UPDATE step … RETURNING the head) SELECT the recorded head UNION ALL the job's other
+    heads``. It starts after the lock was taken, so its snapshot holds every outcome committed before;
+    its own update is read back through ``RETURNING`` (a statement does not see its own CTE's writes).
+    The heads are empty when nothing was recorded (cancelled or taken over)."""
+    direct = _core(session)
+    if not direct.postgres:
+        if not record_step(session, step_id=step_id, owner=owner, to=to, closing=closing, **values):
+            return False, []
+        return True, step_heads(session, job_id=job_id)
+    params = {"p_job_id": job_id, "p_step_id": step_id, "p_owner": owner, "p_now": utcnow(),
+              "p_id": closing.attempt_id, "p_latency": closing.latency_ms, "p_error_type": closing.error_type,
+              "p_error": closing.error, **{f"v_{k}": v for k, v in values.items()}}
+    rows = direct.execute(_record_and_heads_stmt(str(to), tuple(sorted(values))), params).rows
+    if not any(r[0] for r in rows):
+        return False, []
+    heads = sorted((StepHead(r[1], r[2], list(r[3] or []), r[4], r[5], r[6], r[7], r[8], r[9], r[10])
+                    for r in rows), key=lambda h: h.index)
+    return True, heads
+
+
+@lru_cache(maxsize=32)
+def _record_and_heads_stmt(to: str, keys: tuple[str, ...]) -> sa.CompoundSelect:
+    st = STEP
+    columns = _head_columns(st)
+    recorded = _record_stmt(to, keys).returning(*columns).cte("recorded")
+    others = sa.select(sa.false(), *columns).where(st.c.job_id == sa.bindparam("p_job_id", type_=sa.String()),
+                                                  st.c.id != sa.bindparam("p_step_id"))
+    mine = sa.select(sa.true(), *[recorded.c[c.name] for c in columns])
+    return sa.union_all(mine, others).add_cte(_finish_attempt_stmt().cte("closed"))
 
 
 def step_output(session: Session, *, job_id: str, index: int) -> str | None:

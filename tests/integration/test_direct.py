@@ -55,9 +55,12 @@ def test_reads_answer_what_sqlalchemy_answers() -> None:
 def test_updates_report_their_row_counts_and_returned_rows() -> None:
     job_id = planned_job()
     with session_scope() as s:
-        moved = Direct(s).execute(store._mark_queued_stmt(), {"p_job_id": job_id, "p_indices": [1],
-                                                              "p_now": store.utcnow()})
-        assert list(moved.scalars()) == [1]  # expanded IN: SQLAlchemy's path, same interface
+        moved = Direct(s).execute(store._mark_queued_stmt(True), {"p_job_id": job_id, "p_indices": [1],
+                                                                  "p_now": store.utcnow()})
+        assert isinstance(moved, Rows) and moved.scalars() == [1]  # one array parameter: the cursor path
+        seen = Direct(s).execute(store._visible_outputs_stmt(), {"p_job_id": job_id, "p_indices": [0, 1]})
+        assert not isinstance(seen, Rows)  # an expanding IN: SQLAlchemy's path, the same interface
+        assert [tuple(r) for r in seen] == [("one", None), ("two", None)]
         heads = store.step_heads(s, job_id=job_id)
         assert [h.status for h in heads] == ["queued", "queued"]
     with session_scope() as s:
