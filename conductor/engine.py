@@ -95,12 +95,10 @@ def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
     Each planning run holds a claim number; if the reconciler re-drove this job meanwhile (this worker
     looked dead), the newer claim wins and this one records nothing.
     """
-    with session_scope() as s:
-        claim = store.claim_planning(s, job_id=job_id)
-        if claim is None:
-            return Dispatch()  # already planned, planning elsewhere, or cancelled
-        job = store.get_job(s, job_id=job_id)
-        assert job is not None
+    claimed = transaction(lambda s: store.claim_planning_job(s, job_id=job_id))
+    if claimed is None:
+        return Dispatch()  # already planned, planning elsewhere, or cancelled
+    claim, job = claimed
     if claim > settings.step_max_attempts:
         return fail_job(job_id, error_type=WORKER_LOST, plan_claim=claim,
                         message=f"planning was started {claim - 1} times and its worker never finished it")
@@ -117,39 +115,44 @@ def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
         log.exception("planning job %s crashed", job_id)
         return fail_job(job_id, error_type=ErrorType.INTERNAL_ERROR, plan_claim=claim,
                         message=f"planning crashed ({type(exc).__name__}); see the planner worker's log")
-    root_id = job.root_job_id or job.id
-    with session_scope() as s:
-        store.lock_job(s, job_id=root_id)  # a tree's step count is checked and grown one plan at a time
-        wf = result.workflow
-        # A top-level job has no steps and no children before its plan: only a child's tree is counted.
-        in_tree = store.count_tree_steps(s, root_job_id=root_id) if job.root_job_id is not None else 0
+    wf = result.workflow
+    over: list[str] = []
+
+    def record(s: Session) -> Dispatch:
+        over.clear()
+        root_id = job.root_job_id
+        # A top-level job has no steps and no children before its plan: only a child's tree is counted,
+        # under its root's row lock (a tree's step count is checked and grown one plan at a time).
+        in_tree = 0
+        if root_id is not None:
+            store.lock_job(s, job_id=root_id)
+            in_tree = store.count_tree_steps(s, root_job_id=root_id)
         if in_tree + len(wf.steps) > settings.max_tree_steps:
-            over = (f"this job tree already has {in_tree} steps; {len(wf.steps)} more would pass the limit of "
-                    f"{settings.max_tree_steps} (CONDUCTOR_MAX_TREE_STEPS)")
+            over.append(f"this job tree already has {in_tree} steps; {len(wf.steps)} more would pass the limit "
+                        f"of {settings.max_tree_steps} (CONDUCTOR_MAX_TREE_STEPS)")
             usage = {k: v for k, v in _plan_columns(result).items() if k.startswith("planner_")}
             store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.PLANNING,
                                  plan_claim=claim, **usage)  # the planner was paid for: its usage stays
-        else:
-            over = None
-            if not store.transition_job(
-                s,
-                job_id=job_id,
-                from_=[JobStatus.PLANNING],
-                to=JobStatus.RUNNING,
-                plan_claim=claim,
-                **_plan_columns(result),
-            ):
-                return Dispatch()  # cancelled while the planner ran, or this claim was superseded
-            rows = step_rows(s, job, wf)  # a replay's reusable steps arrive already succeeded
+            return Dispatch()
+        if not store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.RUNNING,
+                                    plan_claim=claim, **_plan_columns(result)):
+            return Dispatch()  # cancelled while the planner ran, or this claim was superseded
+        rows = step_rows(s, job, wf)  # a replay's reusable steps arrive already succeeded
+        done = [row["index"] for row in rows if row["status"] == StepStatus.SUCCEEDED]
+        if len(done) == len(rows):
             store.insert_steps(s, steps=rows)
-            done = [row["index"] for row in rows if row["status"] == StepStatus.SUCCEEDED]
-            if len(done) == len(rows):
-                return Dispatch(finalize=[job_id])
-            roots = ready_steps(wf.dependencies, done=done, started=done)
-            won = store.mark_steps_queued(s, job_id=job_id, indices=roots)
-    if over is not None:
-        return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over, plan_claim=claim)
-    return Dispatch(steps=[(job_id, i) for i in won], agents={(job_id, i): wf.steps[i].agent for i in won})
+            return Dispatch(finalize=[job_id])
+        roots = ready_steps(wf.dependencies, done=done, started=done)
+        now = utcnow()
+        for i in roots:  # inserted queued: no second statement to mark them
+            rows[i].update(status=StepStatus.QUEUED, queued_at=now)
+        store.insert_steps(s, steps=rows)
+        return Dispatch(steps=[(job_id, i) for i in roots], agents={(job_id, i): wf.steps[i].agent for i in roots})
+
+    dispatch = transaction(record)
+    if over:
+        return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over[0], plan_claim=claim)
+    return dispatch
 
 
 def _plan_columns(result: PlanResult) -> dict[str, Any]:

@@ -196,6 +196,28 @@ def _claim_planning_stmt() -> sa.Update:
             .returning(j.c.plan_claims))
 
 
+def claim_planning_job(session: Session, *, job_id: str) -> tuple[int, Job] | None:
+    """``claim_planning`` that also returns the job as it is now, from the same ``UPDATE … RETURNING``
+    (no second read). The Job is built with ``model_construct``: it is for reading and must never be
+    added to a session."""
+    row = _core(session).execute(_claim_planning_job_stmt(), {"p_job_id": job_id, "p_now": utcnow()}).first()
+    if row is None:
+        return None
+    attrs = _job_attributes()
+    return int(row[0]), Job.model_construct(**dict(zip(attrs, row[1:], strict=True)))
+
+
+@cache
+def _job_attributes() -> tuple[str, ...]:
+    return tuple(attr for attr, _ in _columns(Job))
+
+
+@cache
+def _claim_planning_job_stmt() -> sa.Update:
+    j = JOB
+    return _claim_planning_stmt().returning(*[j.c[column] for _, column in _columns(Job)])
+
+
 def update_job(session: Session, *, job_id: str, **values: Any) -> None:
     session.execute(sa.update(Job).where(col(Job.id) == job_id).values(updated_at=utcnow(), **values))
 

@@ -16,6 +16,7 @@ from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
 from conductor.store.models import StepStatus
+from conductor.submission import JobCreate, create_job
 from tests.hot_path_cases import CASES, new_chain
 
 
@@ -67,3 +68,23 @@ def test_a_middle_step_is_five_statements_in_two_transactions(statements: list[s
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
 def test_store_case_on_postgres(case: Callable[[], None]) -> None:
     case()
+
+
+def test_planning_is_three_statements_and_inserts_its_roots_queued(statements: list[str]) -> None:
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "plan trips", "workflow": {
+            "model_ids": ["a", "a", "a"], "subtasks": ["x", "y", "z"], "access_lists": [[], [], [0, 1]]}}),
+            tenant="trips", settings=get_settings())
+    statements.clear()
+
+    dispatch = plan_job(job.id, settings=get_settings())
+
+    assert dispatch.steps == [(job.id, 0), (job.id, 1)] and dispatch.agents == {(job.id, 0): "a", (job.id, 1): "a"}
+    assert [s.split(" ")[0] for s in statements] == ["UPDATE", "UPDATE", "INSERT"], statements
+    assert "RETURNING job.plan_claims, job.id, job.tenant" in statements[0]  # the claim reads the job back
+    with session_scope() as s:
+        steps = store.get_steps(s, job_id=job.id)
+        stored = store.get_job(s, job_id=job.id)
+    assert stored is not None and stored.status == "running" and stored.plan_claims == 1
+    assert [(st.status, st.queued_at is not None) for st in steps] == [("queued", True), ("queued", True),
+                                                                       ("pending", False)]
