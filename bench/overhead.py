@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> Result:
                "CQ brokered hop p50", "CQ brokered e2e p50",
                "asyncio hop p50", "asyncio e2e p50", "Celery hop p50", "Celery e2e p50",
                "LangGraph hop p50", "LangGraph e2e p50"]
-    notes = [f"{repeat} runs per shape; worker pool `{args.pool}` x{args.concurrency}; jobs run one at a time.",
+    notes = [f"{repeat} runs per shape; worker pool `{args.pool}` x{args.concurrency}; jobs run one at a time, "
+             "after one warm-up job of each shape (not counted).",
              "CQ: a worker runs one step its step made ready itself (the default); CQ brokered: every ready step "
              "goes through the broker (`CONDUCTOR_WORKER_CONTINUE_STEPS=false`)."]
     if not args.peers:
@@ -89,7 +90,8 @@ def _conductor(shapes: dict[str, list[list[list[int]]]], args: argparse.Namespac
                env: dict[str, str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     with services(api=False, pool=args.pool, concurrency=args.concurrency, code=args.code, extra_env=env):
-        submit_direct([workflow([[]])], "bench0")  # warm the worker (imports, connections)
+        for dags in shapes.values():  # warm the worker (imports, connections, each shape's statements)
+            wait_done(submit_direct([workflow(dags[0])], "bench0"), timeout=120)
         for name, dags in shapes.items():
             hops: list[float] = []
             e2e: list[float] = []
