@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -79,22 +78,47 @@ def check_jobs_in_flight(session: Session, tenant: str, settings: Settings) -> N
     store.lock_tenant(session, tenant=tenant)
     running = store.count_jobs_in_flight(session, tenant=tenant)
     if running >= settings.tenant_max_jobs_in_flight:
-        raise QuotaExceeded(
-            "Too many jobs in flight",
-            f"this tenant has {running} unfinished jobs; the limit is {settings.tenant_max_jobs_in_flight}. "
-            "Wait for some to end (or cancel them)",
-            IN_FLIGHT_RETRY_AFTER_S,
-        )
+        raise in_flight_refusal(running, settings)
 
 
-def admission(tenant: str, settings: Settings) -> Callable[[Session], None]:
-    """The check every route that creates a job runs before inserting it (``create_job(admit=...)``)."""
+def in_flight_refusal(running: int, settings: Settings) -> QuotaExceeded:
+    return QuotaExceeded(
+        "Too many jobs in flight",
+        f"this tenant has {running} unfinished jobs; the limit is {settings.tenant_max_jobs_in_flight}. "
+        "Wait for some to end (or cancel them)",
+        IN_FLIGHT_RETRY_AFTER_S,
+    )
 
-    def admit(session: Session) -> None:
-        check_submit_rate(tenant, settings)
-        check_jobs_in_flight(session, tenant, settings)
 
-    return admit
+@dataclass(frozen=True)
+class Admission:
+    """The quotas a route that creates jobs applies: the tenant's submit rate, checked before the insert
+    (``check_rate``), and its jobs in flight, checked by the insert itself (``create_job(admit=...)`` calls
+    ``store.insert_job_admitted`` with ``max_in_flight``). Called with a session, it runs both checks
+    up front and holds the tenant's lock until commit (a batch: one admission for all its jobs)."""
+
+    tenant: str
+    settings: Settings
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.settings.tenant_max_jobs_in_flight
+
+    def check_rate(self) -> None:
+        check_submit_rate(self.tenant, self.settings)
+
+    def refused(self, session: Session) -> QuotaExceeded:
+        """The refusal when the insert found the tenant at its limit (counted again for the message)."""
+        return in_flight_refusal(store.count_jobs_in_flight(session, tenant=self.tenant), self.settings)
+
+    def __call__(self, session: Session) -> None:
+        self.check_rate()
+        check_jobs_in_flight(session, self.tenant, self.settings)
+
+
+def admission(tenant: str, settings: Settings) -> Admission:
+    """The quotas every route that creates a job applies (``create_job(admit=...)``)."""
+    return Admission(tenant, settings)
 
 
 # KEYS[1] the tenant's open streams (zset: slot -> expiry, microseconds). ARGV: slot, limit, ttl (s).
@@ -166,5 +190,5 @@ def close_stream(tenant: str, slot: str, settings: Settings) -> None:
             log.warning("stream slot not released (it expires by itself): %s", exc)
 
 
-__all__ = ["QuotaExceeded", "admission", "check_jobs_in_flight", "check_submit_rate", "close_stream", "open_stream",
-           "refresh_stream"]
+__all__ = ["Admission", "QuotaExceeded", "admission", "check_jobs_in_flight", "check_submit_rate", "close_stream",
+           "in_flight_refusal", "open_stream", "refresh_stream"]

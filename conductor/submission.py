@@ -7,9 +7,8 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
 from sqlalchemy.exc import IntegrityError
@@ -24,6 +23,9 @@ from conductor.store.models import Job, utcnow
 from conductor.store.webhooks import default_webhook_url
 from conductor.webhooks.targets import UnsafeTarget, check_url
 from conductor.workflow import CONDUCTOR_AGENT, FieldError, WorkflowError, parse_workflow
+
+if TYPE_CHECKING:
+    from conductor.quotas import Admission
 
 log = logging.getLogger(__name__)
 MAX_IDEMPOTENCY_KEY_CHARS = 255
@@ -224,9 +226,10 @@ def create_job(
     idempotency_key: str | None = None,
     allow_pool_path: bool = False,
     context: list[dict[str, Any]] | None = None,
-    admit: Callable[[Session], None] | None = None,
+    admit: Admission | None = None,
     batch_id: str | None = None,
     publishing: bool = False,
+    commit: bool = False,
 ) -> tuple[Job, bool]:
     """Validates and inserts the job (not yet committed). Returns (job, created); with a repeated
     Idempotency-Key and the same body, the earlier job and False.
@@ -237,7 +240,9 @@ def create_job(
     and may raise to refuse it.
     ``publishing``: the caller sends the plan message right after its commit
     (``enqueue_plan(job.id, recorded=True)``), so ``enqueued_at`` is written with the row instead of in a
-    transaction of its own; should that send fail, ``enqueue_plan`` clears it again."""
+    transaction of its own; should that send fail, ``enqueue_plan`` clears it again.
+    ``commit`` (with ``admit``): the insert commits the session's transaction in its own round trip, for a
+    caller that would commit right after (the tenant's lock is then held only while the server works)."""
     digest = request_hash(body)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
@@ -267,10 +272,13 @@ def create_job(
         batch_id=batch_id,
         enqueued_at=utcnow() if publishing else None,
     )
-    if admit is not None:  # last before the insert: the in-flight quota holds the tenant's lock until commit
-        admit(session)
     try:
-        store.insert_job(session, job=job)
+        if admit is None:
+            store.insert_job(session, job=job)
+        else:  # the rate first; the in-flight quota is the insert's own condition (it takes the tenant's lock)
+            admit.check_rate()
+            if not store.insert_job_admitted(session, job=job, max_in_flight=admit.max_in_flight, commit=commit):
+                raise admit.refused(session)
     except IntegrityError:
         # Two requests with one key raced; the other one committed first.
         session.rollback()

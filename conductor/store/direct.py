@@ -84,29 +84,14 @@ class Direct:
         prepared = _prepare(stmt, conn.dialect)
         if prepared is None:
             return conn.execute(stmt, params)
-        values = dict(prepared.constants)
-        for name, key, process in prepared.variables:
-            value = params[key]
-            values[name] = process(value) if process is not None else value
+        values = _values(prepared, params)
         fairy = conn.connection  # the pooled DBAPI connection, in the session's transaction
         cursor = fairy.dbapi_connection.cursor()  # type: ignore[union-attr]
         try:
             if conn.dispatch.before_cursor_execute:  # listeners (statement counters, tracing) still see it
                 conn.dispatch.before_cursor_execute(conn, cursor, prepared.sql, values, None, False)
             cursor.execute(prepared.sql, values)
-            rows: list[tuple[Any, ...]]
-            if cursor.description is None:
-                rows = []
-            else:
-                results = prepared.results
-                if results is None:
-                    results = prepared.results = _result_processors(prepared.columns, cursor.description, conn.dialect)
-                if any(results):
-                    rows = [tuple(v if f is None else f(v) for f, v in zip(results, raw, strict=True))
-                            for raw in cursor.fetchall()]
-                else:
-                    rows = list(cursor.fetchall())
-            return Rows(rows, cursor.rowcount)
+            return _rows(prepared, cursor, conn.dialect)
         except conn.dialect.loaded_dbapi.Error as exc:
             # SQLAlchemy's own handling: wraps the error (OperationalError, IntegrityError, …) and, on a
             # disconnect, invalidates this connection and the pool's older ones.
@@ -114,6 +99,79 @@ class Direct:
             raise  # unreachable: the handler raises
         finally:
             cursor.close()
+
+    def execute_pipelined(
+        self, statements: Sequence[tuple[sa.Executable, Mapping[str, Any]]], *, commit: bool = False
+    ) -> list[Any]:
+        """Runs the statements one after another, as ``execute`` would, but on Postgres sends them all
+        before reading any answer (a psycopg pipeline: one round trip). Each still runs in its own
+        snapshot, after the one before it has finished (a lock the first takes is held when the second
+        reads). The first error aborts the rest and is raised as ``execute`` raises it (the error names the
+        last statement sent).
+
+        ``commit``: the transaction's ``COMMIT`` goes in the same round trip, so a lock taken here is
+        released by the server without waiting for this client again. The session's own commit then
+        finds the connection idle and sends nothing; a statement after this one starts a new transaction.
+        """
+        conn = self.connection
+        prepared = [_prepare(stmt, conn.dialect) for stmt, _ in statements]
+        ready = [p for p in prepared if p is not None]
+        if len(ready) != len(statements):  # SQLite, or a statement SQLAlchemy must expand: one at a time
+            answers = [_fetched(self.execute(stmt, params)) for stmt, params in statements]
+            if commit:  # on the driver's connection, as below: the session's commit then finds nothing to do
+                conn.connection.dbapi_connection.commit()  # type: ignore[union-attr]
+            return answers
+        dbapi = conn.connection.dbapi_connection
+        runs = [(p, _values(p, params), dbapi.cursor()) for p, (_, params) in zip(ready, statements, strict=True)]  # type: ignore[union-attr]
+        current = runs[0]
+        try:
+            with dbapi.pipeline():  # type: ignore[union-attr]
+                for current in runs:
+                    prep, values, cursor = current
+                    if conn.dispatch.before_cursor_execute:
+                        conn.dispatch.before_cursor_execute(conn, cursor, prep.sql, values, None, False)
+                    cursor.execute(prep.sql, values)
+                if commit:
+                    dbapi.commit()  # type: ignore[union-attr]
+            return [_rows(prep, cursor, conn.dialect) for prep, _, cursor in runs]
+        except conn.dialect.loaded_dbapi.Error as exc:
+            prep, values, cursor = current
+            conn._handle_dbapi_exception(exc, prep.sql, values, cursor, None)
+            raise  # unreachable: the handler raises
+        finally:
+            for _, _, cursor in runs:
+                cursor.close()
+
+
+def _fetched(result: Any) -> Rows:
+    """A result read to its end (SQLite cannot commit while a statement's rows are unread)."""
+    if isinstance(result, Rows):
+        return result
+    return Rows([tuple(r) for r in result.all()] if result.returns_rows else [], result.rowcount)
+
+
+def _values(prepared: _Prepared, params: Mapping[str, Any]) -> dict[str, Any]:
+    values = dict(prepared.constants)
+    for name, key, process in prepared.variables:
+        value = params[key]
+        values[name] = process(value) if process is not None else value
+    return values
+
+
+def _rows(prepared: _Prepared, cursor: Any, dialect: Dialect) -> Rows:
+    rows: list[tuple[Any, ...]]
+    if cursor.description is None:
+        rows = []
+    else:
+        results = prepared.results
+        if results is None:
+            results = prepared.results = _result_processors(prepared.columns, cursor.description, dialect)
+        if any(results):
+            rows = [tuple(v if f is None else f(v) for f, v in zip(results, raw, strict=True))
+                    for raw in cursor.fetchall()]
+        else:
+            rows = list(cursor.fetchall())
+    return Rows(rows, cursor.rowcount)
 
 
 def _prepare(stmt: sa.Executable, dialect: Dialect) -> _Prepared | None:

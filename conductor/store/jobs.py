@@ -235,6 +235,40 @@ def insert_job(session: Session, *, job: Job) -> None:
     _core(session).execute(_insert_job_stmt(tuple(values)), values)
 
 
+def insert_job_admitted(session: Session, *, job: Job, max_in_flight: int, commit: bool = False) -> bool:
+    """``insert_job`` under the tenant's in-flight quota: inserts only while the tenant has fewer than
+    ``max_in_flight`` unfinished top-level jobs; False (nothing inserted) when it has that many.
+
+    Strict under concurrency: on Postgres the tenant's lock (``lock_tenant``, held until commit) and the
+    insert that counts are sent together in one pipeline, so the lock is held for the server's work and
+    the commit, not for client round trips. Taken one statement at a time, every submission of a busy
+    tenant queued behind a lock whose holder first had to be scheduled (and get its process's GIL) for
+    each of three round trips: at 200 req/s, 58 backends waiting on it (docs/benchmarks.md, api).
+
+    ``commit``: commits the caller's transaction in the same round trip (``Direct.execute_pipelined``),
+    for a caller whose next step would be its commit; the tenant's lock is then never held across a
+    client round trip."""
+    values = {column: value for attr, column in _columns(Job) if (value := getattr(job, attr)) is not None}
+    params = {**values, "p_tenant": job.tenant, "p_max_in_flight": max_in_flight}
+    direct = _core(session)
+    insert = (_insert_job_admitted_stmt(tuple(values)), params)
+    if direct.postgres:
+        lock = (_lock_tenant_stmt(), {"p_key": f"conductor-tenant:{job.tenant}"})
+        _, inserted = direct.execute_pipelined([lock, insert], commit=commit)
+    else:  # SQLite runs one writer at a time: no lock needed
+        (inserted,) = direct.execute_pipelined([insert], commit=commit)
+    return inserted.first() is not None
+
+
+@lru_cache(maxsize=64)
+def _insert_job_admitted_stmt(columns: tuple[str, ...]) -> sa.Insert:
+    """``INSERT INTO job (…) SELECT :values WHERE (SELECT count(*) FROM job WHERE tenant = :t AND in
+    flight) < :max RETURNING id``."""
+    under = _count_in_flight_stmt().scalar_subquery() < sa.bindparam("p_max_in_flight", type_=sa.Integer())
+    row = sa.select(*[sa.bindparam(c, type_=JOB.c[c].type) for c in columns]).where(under)
+    return sa.insert(JOB).from_select(list(columns), row).returning(JOB.c.id)
+
+
 @cache
 def _columns(model: type[Job] | type[Step], without: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
     """(attribute, column) of each mapped column of ``model`` but ``without`` (``Job.meta`` is the

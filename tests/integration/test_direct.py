@@ -98,3 +98,18 @@ def test_the_connection_is_kept_only_for_a_single_transaction_session() -> None:
         after = store._core(s)
         assert after is not before and after.connection is s.connection()
         assert store.lock_job(s, job_id=job_id) is not None
+
+
+def test_a_pipeline_answers_each_statement_and_raises_the_first_error_as_sqlalchemy_would() -> None:
+    job_id = planned_job()
+    with session_scope() as s:
+        lock, heads = Direct(s).execute_pipelined([(store._lock_job_stmt(), {"p_job_id": job_id}),
+                                                   (store._step_heads_stmt(), {"p_job_id": job_id})])
+        assert isinstance(lock, Rows) and lock.first() is not None and lock.first()[0] == job_id  # type: ignore[index]
+        assert [r[0] for r in heads] == [0, 1]
+    with pytest.raises(sa.exc.IntegrityError), session_scope() as s:
+        Direct(s).execute_pipelined([(store._lock_job_stmt(), {"p_job_id": job_id}),
+                                     (store._open_attempt_stmt(), {"p_step_id": -1, "p_n": 1, "p_worker": "w",
+                                                                   "p_now": store.utcnow()})])
+    with session_scope() as s:  # rolled back; the pool's connection is usable
+        assert store.lock_job(s, job_id=job_id) is not None

@@ -12,8 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
+from conductor.store import jobs as store
 from conductor.store.db import session_scope
 from conductor.store.keys import revoke_key
+from conductor.store.models import Job
 from tests.integration.conftest import new_key
 from tests.integration.harness import Proc, start_api, wait_terminal
 
@@ -153,3 +155,47 @@ def test_deeply_nested_json_is_a_422_not_a_500(client: httpx.Client) -> None:
         r = client.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 422, r.text
         assert "nested more than" in r.json()["detail"]
+
+
+def test_a_submission_waits_for_the_one_taking_the_last_place_and_then_sees_it() -> None:
+    """The in-flight check is the insert's own condition, sent in one pipeline after the tenant's lock:
+    a second submission blocks on that lock until the first commits, then counts its job."""
+
+    def job_of(tenant: str) -> Job:
+        return Job.model_construct(tenant=tenant, task="t", pool="default", pool_config={}, planner="x",
+                                   limits={}, meta={}, request_hash="h")
+
+    first, second = job_of("lastplace"), job_of("lastplace")
+    outcome: list[bool] = []
+    with session_scope() as holder:
+        assert store.insert_job_admitted(holder, job=first, max_in_flight=1)  # the last place, not committed
+
+        def race() -> None:
+            with session_scope() as s:
+                outcome.append(store.insert_job_admitted(s, job=second, max_in_flight=1))
+
+        racer = threading.Thread(target=race)
+        racer.start()
+        racer.join(1.0)
+        assert racer.is_alive() and outcome == []  # waiting on the tenant's lock, not counting past it
+    racer.join(30)
+    assert outcome == [False]  # it counted the first job once that committed: nothing inserted
+    with session_scope() as s:
+        assert store.count_jobs_in_flight(s, tenant="lastplace") == 1
+        assert store.get_job(s, job_id=second.id) is None
+    with session_scope() as s:  # a higher limit admits it
+        assert store.insert_job_admitted(s, job=second, max_in_flight=2)
+
+
+def test_committing_with_the_insert_releases_the_tenant_at_once() -> None:
+    first = Job.model_construct(tenant="onetrip", task="t", pool="default", pool_config={}, planner="x", limits={},
+                                meta={}, request_hash="h")
+    with session_scope() as holder:
+        assert store.insert_job_admitted(holder, job=first, max_in_flight=2, commit=True)
+        with session_scope() as other:  # before the holder's session ends: committed, lock released
+            assert store.get_job(other, job_id=first.id) is not None
+            second = Job.model_construct(tenant="onetrip", task="t", pool="default", pool_config={}, planner="x",
+                                         limits={}, meta={}, request_hash="h")
+            assert store.insert_job_admitted(other, job=second, max_in_flight=2)
+    with session_scope() as s:
+        assert store.count_jobs_in_flight(s, tenant="onetrip") == 2

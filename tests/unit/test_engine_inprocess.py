@@ -283,3 +283,18 @@ def test_progress_names_the_planner_when_the_plan_commits_between_its_two_reads(
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
 def test_store_case_on_sqlite(settings: Settings, case: Callable[[], None]) -> None:
     case()  # the folded Postgres statements run here as two each, leaving the same rows
+
+
+def test_the_in_flight_quota_is_the_inserts_condition_on_sqlite(settings: Settings) -> None:
+    def job() -> Job:
+        return Job.model_construct(tenant="quota", task="t", pool="default", pool_config={}, planner="x", limits={},
+                                   meta={}, request_hash="h")
+
+    first, second = job(), job()
+    with session_scope() as s:
+        assert store.insert_job_admitted(s, job=first, max_in_flight=1, commit=True)
+        with session_scope() as other:  # committed with the insert
+            assert store.get_job(other, job_id=first.id) is not None
+        assert not store.insert_job_admitted(s, job=second, max_in_flight=1)
+    with session_scope() as s:
+        assert store.count_jobs_in_flight(s, tenant="quota") == 1 and store.get_job(s, job_id=second.id) is None

@@ -86,9 +86,9 @@ def _submit(
         tenant = resolve_tenant(session, settings, authorization)
         job, created = create_job(  # per-tenant quotas first: 429 with Retry-After
             session, body, tenant=tenant, settings=settings, idempotency_key=idempotency_key,
-            admit=admission(tenant, settings), publishing=True,
+            admit=admission(tenant, settings), publishing=True, commit=True,
         )
-        session.commit()  # durable before any message is sent: an accepted job is never lost
+        session.commit()  # durable before any message is sent (committed with the insert: a no-op then)
     enqueued = enqueue_plan(job.id, recorded=True) if created else True
     return JobAccepted(id=job.id, status=JobStatus(job.status), enqueued=enqueued, links=job_links(job.id)), created
 

@@ -128,7 +128,7 @@ def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str
         try:
             made = chat_job(body, settings)
             job, _ = create_job(session, made.body, tenant=tenant, settings=settings, context=made.context,
-                                admit=admission(tenant, settings), publishing=True)
+                                admit=admission(tenant, settings), publishing=True, commit=True)
         except QuotaExceeded as exc:
             raise OpenAIError(429, str(exc), code="rate_limit_exceeded", type="rate_limit_error",
                               headers={"Retry-After": exc.retry_after}) from exc
