@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import uuid
 
 from bench.env import Result, api_key, cpu_seconds, process_tree, services, summary, table, write_pool
 from bench.loadgen import LoadResult, request_bytes, run_load
@@ -29,14 +30,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Result:
     rates, seconds = ([20.0], 1.0) if args.quick else (list(args.rate), args.seconds)
     write_pool("bench0", {"z": 0})
-    key = api_key()
     runs: list[tuple[float, LoadResult, float]] = []
     with services(api=True, api_workers=args.api_workers, workers=0, code=args.code) as svc:
         assert svc.api_url is not None
-        request = request_bytes(svc.api_url, "/v1/jobs", BODY, {"Authorization": f"Bearer {key}"})
+        url = svc.api_url
+
+        def fresh_tenant() -> bytes:
+            # No worker runs, so every accepted job stays in flight: each rate submits as a new tenant,
+            # whose in-flight count (checked by every submit) starts at 0 and not at what earlier runs left.
+            key = api_key(f"bench-api-{uuid.uuid4().hex[:12]}")
+            return request_bytes(url, "/v1/jobs", BODY, {"Authorization": f"Bearer {key}"})
+
         api_pid = svc.procs[-1].popen.pid
-        asyncio.run(run_load(svc.api_url, request, rate=min(rates[0], 20.0), seconds=0.5))  # warm up
+        asyncio.run(run_load(url, fresh_tenant(), rate=min(rates[0], 20.0), seconds=0.5))  # warm up
         for rate in rates:
+            request = fresh_tenant()
             api_pids = process_tree([api_pid])  # with --api-workers, uvicorn's supervisor and its workers
             before = cpu_seconds(api_pids)
             load = asyncio.run(run_load(svc.api_url, request, rate=rate, seconds=seconds))
@@ -58,7 +66,8 @@ def run(args: argparse.Namespace) -> Result:
     procs = "One API process" if args.api_workers == 1 else f"{args.api_workers} API processes"
     md += (f"\n\n{procs} (uvicorn) and an open-loop raw-asyncio client (`bench/loadgen.py`) on the "
            "same 2-core machine, loopback; an explicit 1-step workflow in each body; latency from each "
-           "request's due time to its 202. CPU is the share of one core over the run's wall time.")
+           "request's due time to its 202. CPU is the share of one core over the run's wall time. Each rate "
+           "submits as a new tenant (no worker runs: its jobs stay in flight, and every submit counts them).")
     cmd = "python -m bench api --quick" if args.quick else \
         f"python -m bench api --rate {' '.join(f'{r:g}' for r in rates)} --seconds {seconds:g}" + (
             f" --api-workers {args.api_workers}" if args.api_workers != 1 else "")

@@ -262,9 +262,14 @@ def insert_job_admitted(session: Session, *, job: Job, max_in_flight: int, commi
 
 @lru_cache(maxsize=64)
 def _insert_job_admitted_stmt(columns: tuple[str, ...]) -> sa.Insert:
-    """``INSERT INTO job (…) SELECT :values WHERE (SELECT count(*) FROM job WHERE tenant = :t AND in
-    flight) < :max RETURNING id``."""
-    under = _count_in_flight_stmt().scalar_subquery() < sa.bindparam("p_max_in_flight", type_=sa.Integer())
+    """``INSERT INTO job (…) SELECT :values WHERE (SELECT count(*) FROM (SELECT 1 FROM job WHERE tenant =
+    :t AND in flight LIMIT :max)) < :max RETURNING id``: the count stops at the limit, so a submit (run
+    under the tenant's lock) costs the same however many jobs the tenant has in flight beyond it."""
+    limit = sa.bindparam("p_max_in_flight", type_=sa.Integer())
+    tenant = sa.bindparam("p_tenant", type_=sa.String())
+    in_flight = (sa.select(sa.literal_column("1")).select_from(JOB)
+                 .where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL)).limit(limit).subquery("in_flight"))
+    under = sa.select(sa.func.count()).select_from(in_flight).scalar_subquery() < limit
     row = sa.select(*[sa.bindparam(c, type_=JOB.c[c].type) for c in columns]).where(under)
     return sa.insert(JOB).from_select(list(columns), row).returning(JOB.c.id)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from conductor.store import jobs as store
 from conductor.store.db import session_scope
@@ -185,6 +186,11 @@ def test_a_submission_waits_for_the_one_taking_the_last_place_and_then_sees_it()
         assert store.get_job(s, job_id=second.id) is None
     with session_scope() as s:  # a higher limit admits it
         assert store.insert_job_admitted(s, job=second, max_in_flight=2)
+    third = job_of("lastplace")
+    with session_scope() as s:  # the count stops at the limit: 2 in flight is "not under 2" however counted
+        assert not store.insert_job_admitted(s, job=third, max_in_flight=2)
+        assert not store.insert_job_admitted(s, job=third, max_in_flight=1)
+        assert store.insert_job_admitted(s, job=third, max_in_flight=3)
 
 
 def test_committing_with_the_insert_releases_the_tenant_at_once() -> None:
@@ -199,3 +205,21 @@ def test_committing_with_the_insert_releases_the_tenant_at_once() -> None:
             assert store.insert_job_admitted(other, job=second, max_in_flight=2)
     with session_scope() as s:
         assert store.count_jobs_in_flight(s, tenant="onetrip") == 2
+
+
+def test_a_duplicate_idempotency_key_in_the_pipelined_insert_raises_and_rolls_back() -> None:
+    def job() -> Job:
+        return Job.model_construct(tenant="dupkey", task="t", pool="default", pool_config={}, planner="x",
+                                   limits={}, meta={}, request_hash="h", idempotency_key="same-key")
+
+    first, second = job(), job()
+    with session_scope() as s:
+        assert store.insert_job_admitted(s, job=first, max_in_flight=5, commit=True)
+    with session_scope() as s:  # what create_job does on the race: roll back, then read the winner
+        with pytest.raises(sa.exc.IntegrityError):
+            store.insert_job_admitted(s, job=second, max_in_flight=5, commit=True)
+        s.rollback()
+        winner = store.get_job_by_idempotency_key(s, tenant="dupkey", key="same-key")
+        assert winner is not None and winner.id == first.id
+    with session_scope() as s:
+        assert store.count_jobs_in_flight(s, tenant="dupkey") == 1
