@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 
 ONE_TRANSACTION = "conductor_one_transaction"
-"""``Session.info`` key: set on a ``transaction`` session, whose body never commits or rolls back itself,
-so its connection stays the same from its first statement to the commit (``store.jobs._core`` keeps it)."""
+"""``Session.info`` key of a ``transaction`` session: the Connection whose transaction the body runs in,
+the same from its first statement to the commit (``store.jobs._core`` runs its statements there)."""
 
 _HOT_PATH: ContextVar[bool] = ContextVar("conductor_hot_path", default=False)
 """Set while ``transaction`` runs: connections checked out for the step hot path are not probed."""
@@ -96,15 +96,22 @@ def transaction(body: Callable[[Session], T], *, url: str | None = None) -> T:
         try:
             hot = _HOT_PATH.set(True)
             try:
-                with Session(get_engine(url), expire_on_commit=False) as session:
-                    session.info[ONE_TRANSACTION] = True
-                    try:
-                        result = body(session)
-                        session.commit()
-                        return result
-                    except BaseException:
-                        session.rollback()
-                        raise
+                # The transaction is the Connection's; the Session only carries it (and serves a body that
+                # uses the ORM, joined to that transaction). Committing on the Connection skips the
+                # Session's own transaction bookkeeping, ~8 % of a step worker's CPU when it was the
+                # Session that began, committed and closed each of the two transactions of a step.
+                with get_engine(url).connect() as conn:
+                    conn.begin()
+                    with Session(bind=conn, expire_on_commit=False) as session:
+                        session.info[ONE_TRANSACTION] = conn
+                        try:
+                            result = body(session)
+                            session.flush()  # what an ORM-using body added and did not flush itself
+                            conn.commit()
+                            return result
+                        except BaseException:
+                            conn.rollback()
+                            raise
             finally:
                 _HOT_PATH.reset(hot)
         except DBAPIError as exc:

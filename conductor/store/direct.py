@@ -72,8 +72,8 @@ class Direct:
 
     __slots__ = ("connection", "postgres")
 
-    def __init__(self, session: Session):
-        self.connection = session.connection()
+    def __init__(self, session: Session | None = None, *, connection: sa.Connection | None = None):
+        self.connection = connection if connection is not None else session.connection()  # type: ignore[union-attr]
         self.postgres = self.connection.dialect.name == "postgresql"
         """Postgres: statements may carry data-modifying CTEs (one round trip for what SQLite needs two)."""
 

@@ -938,9 +938,10 @@ def _core(session: Session) -> Direct:
     info = session.info
     direct: Direct | None = info.get(_DIRECT)
     if direct is None:
-        direct = Direct(session)
-        if info.get(ONE_TRANSACTION):
-            info[_DIRECT] = direct
+        connection = info.get(ONE_TRANSACTION)
+        if connection is None:
+            return Direct(session)
+        direct = info[_DIRECT] = Direct(connection=connection)
     return direct
 
 

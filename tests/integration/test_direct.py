@@ -15,6 +15,7 @@ from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
 from conductor.store.direct import Direct, Rows
+from conductor.store.models import StepAttempt
 from conductor.submission import JobCreate, create_job
 
 
@@ -113,3 +114,29 @@ def test_a_pipeline_answers_each_statement_and_raises_the_first_error_as_sqlalch
                                                                    "p_now": store.utcnow()})])
     with session_scope() as s:  # rolled back; the pool's connection is usable
         assert store.lock_job(s, job_id=job_id) is not None
+
+
+def test_a_transaction_commits_its_direct_and_orm_writes_together_or_neither() -> None:
+    from conductor.store.db import transaction
+
+    job_id = planned_job()
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        assert step is not None and step.id is not None
+        step_id = step.id
+
+    def body(s: Session, source: str, n: int, fail: bool) -> bool:
+        assert store.transition_job(s, job_id=job_id, from_=["running"], to="running", workflow_source=source)
+        s.add(StepAttempt(step_id=step_id, n=n, worker="orm"))  # the ORM's, left for the commit to flush
+        if fail:
+            raise RuntimeError("the body failed")
+        return True
+
+    assert transaction(lambda s: body(s, "both", 98, False))
+    with pytest.raises(RuntimeError):
+        transaction(lambda s: body(s, "neither", 99, True))
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        attempts = store.get_attempts(s, step_ids=[step_id])
+    assert job is not None and job.workflow_source == "both"
+    assert [a.n for a in attempts] == [98]
