@@ -179,13 +179,6 @@ def _transition_stmt(from_: tuple[str, ...], to: str, fenced: bool, keys: tuple[
                                              **{k: sa.bindparam(f"v_{k}", type_=j.c[k].type) for k in keys})
 
 
-def claim_planning(session: Session, *, job_id: str) -> int | None:
-    """queued -> planning; returns this claim's number (the fencing token), or None if not queued. One
-    ``UPDATE … RETURNING``."""
-    row = _core(session).execute(_claim_planning_stmt(), {"p_job_id": job_id, "p_now": utcnow()}).first()
-    return int(row[0]) if row is not None else None
-
-
 @cache
 def _claim_planning_stmt() -> sa.Update:
     j = JOB
@@ -197,9 +190,9 @@ def _claim_planning_stmt() -> sa.Update:
 
 
 def claim_planning_job(session: Session, *, job_id: str) -> tuple[int, Job] | None:
-    """``claim_planning`` that also returns the job as it is now, from the same ``UPDATE … RETURNING``
-    (no second read). The Job is built with ``model_construct``: it is for reading and must never be
-    added to a session."""
+    """queued -> planning; returns this claim's number (the fencing token) and the job as it is now, from
+    one ``UPDATE … RETURNING`` (no second read), or None if the job is not queued. The Job is built with
+    ``model_construct``: it is for reading and must never be added to a session."""
     row = _core(session).execute(_claim_planning_job_stmt(), {"p_job_id": job_id, "p_now": utcnow()}).first()
     if row is None:
         return None
@@ -231,7 +224,7 @@ def insert_job(session: Session, *, job: Job) -> None:
     same): the full row has 51 parameters, and psycopg re-parses a query of more than 50 on every
     execution instead of caching its conversion (``MAX_CACHED_STATEMENT_PARAMS``), 6 % of the API's CPU
     per submit. A new job has about 25 non-null columns, in a handful of combinations."""
-    values = {column: value for attr, column in _columns(Job) if (value := getattr(job, attr)) is not None}
+    values = _job_values(job)
     _core(session).execute(_insert_job_stmt(tuple(values)), values)
 
 
@@ -248,7 +241,7 @@ def insert_job_admitted(session: Session, *, job: Job, max_in_flight: int, commi
     ``commit``: commits the caller's transaction in the same round trip (``Direct.execute_pipelined``),
     for a caller whose next step would be its commit; the tenant's lock is then never held across a
     client round trip."""
-    values = {column: value for attr, column in _columns(Job) if (value := getattr(job, attr)) is not None}
+    values = _job_values(job)
     params = {**values, "p_tenant": job.tenant, "p_max_in_flight": max_in_flight}
     direct = _core(session)
     insert = (_insert_job_admitted_stmt(tuple(values)), params)
@@ -280,6 +273,11 @@ def _columns(model: type[Job] | type[Step], without: tuple[str, ...] = ()) -> tu
     ``metadata`` column): what a Core insert of an unsaved object binds."""
     return tuple((prop.key, prop.columns[0].key) for prop in sa.inspect(model).column_attrs
                  if prop.columns[0].key not in without)
+
+
+def _job_values(job: Job) -> dict[str, Any]:
+    """The job's non-None columns (column -> value): what its insert binds."""
+    return {column: value for attr, column in _columns(Job) if (value := getattr(job, attr)) is not None}
 
 
 @lru_cache(maxsize=64)
@@ -596,7 +594,7 @@ def claim_step_row(
     if row is None:
         return None
     claim = ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - (1 if count_attempt else 0))
-    if opens and claim.attempts < open_below:  # type: ignore[operator]
+    if open_below is not None and count_attempt and claim.attempts < open_below:
         opened = open_attempt(session, step_id=claim.step_id, n=claim.attempts + 1, worker=owner)
         return ClaimedStep(claim.step_id, claim.attempts, opened)
     return claim

@@ -75,7 +75,7 @@ def test_updates_report_their_row_counts_and_returned_rows() -> None:
 def test_errors_arrive_as_sqlalchemy_errors_and_roll_back() -> None:
     job_id = planned_job()
     with pytest.raises(sa.exc.IntegrityError), session_scope() as s:
-        assert store.claim_planning(s, job_id=job_id) is None  # running: not claimable, a no-op
+        assert store.claim_planning_job(s, job_id=job_id) is None  # running: not claimable, a no-op
         store.transition_job(s, job_id=job_id, from_=["running"], to="running", workflow_source="rolled back")
         store.open_attempt(s, step_id=-1, n=1, worker="w")  # no such step: the foreign key refuses it
     with session_scope() as s:  # nothing of that transaction was written, and the pool is usable

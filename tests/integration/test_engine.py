@@ -53,7 +53,9 @@ def test_a_superseded_planner_cannot_fail_the_job_its_successor_started() -> Non
     settings = get_settings()
     job_id = new_job(planner="template:single")
     with session_scope() as s:
-        first = store.claim_planning(s, job_id=job_id)  # planner A takes it, then looks dead
+        claimed = store.claim_planning_job(s, job_id=job_id)  # planner A takes it, then looks dead
+        assert claimed is not None and claimed[1].id == job_id
+        first = claimed[0]
         assert first == 1
         assert store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
     assert plan_job(job_id, settings=settings).steps == [(job_id, 0)]  # planner B, claim 2
