@@ -72,7 +72,19 @@ def celery_worker(concurrency: int = 8) -> Iterator[Any]:
                 raise RuntimeError(f"no-op worker not ready:\n{proc.tail()}")
         yield app
     finally:
+        _release_results(app)
         proc.stop()
+
+
+def _release_results(app: Any) -> None:
+    """Stops waiting on every result still registered with the result backend (a chain's or chord's
+    inner results, which nothing calls ``get()`` on). Left alone, each unsubscribes from Redis in its
+    ``__del__`` while the interpreter shuts down, and prints "Exception ignored in AsyncResult.__del__"."""
+    backend = app.backend
+    for mapping in getattr(backend, "_pending_results", ()):
+        for waiters in list(mapping.values()):
+            for result in list(waiters.values()):
+                backend.remove_pending_result(result)
 
 
 def celery_hops(shape: str, deps: Sequence[Sequence[int]]) -> tuple[list[float], float] | None:
