@@ -4,7 +4,12 @@ same table) on the exact messages the engine sends (``conductor.context.worker_m
 
 - access lists: each step sees only the steps its access list names (pev, and a 5-step DAG);
 - see-everything: the same workflows, every step seeing every earlier step;
-- MoA: 3 proposers + an aggregator, and 3 proposers x 2 layers + an aggregator (7 calls).
+- MoA: 3 proposers + an aggregator, 3 proposers x 2 layers + an aggregator (7 calls), and the published
+  3-layer example (togethercomputer/MoA ``advanced-moa.py``, ``layers = 3``: 4 reference models, 4 more
+  that each see all four answers, an aggregator that sees those: 9 calls).
+
+A one-step workflow (what a conductor writes for an easy question) is counted too, as the other end of
+what the access-list workflows cost.
 
 No model runs: every answer is a fixed synthetic text of ``--answer-tokens`` tokens, so the figures
 compare context policies, not answer lengths (a real run's answers vary per agent).
@@ -31,11 +36,14 @@ TASKS = [
 WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do", "eiusmod",
          "tempor")
 WORKFLOWS: dict[str, list[list[int]]] = {
+    "one step": [[]],
     "pev": [[], [0], [0, 1]],
     "dag5": [[], [], [0], [1], [2, 3]],
     "moa 3+1": [[], [], [], [0, 1, 2]],
     "moa 3x2+1": [[], [], [], [0, 1, 2], [0, 1, 2], [0, 1, 2], [3, 4, 5]],
+    "moa 4x2+1": [[], [], [], [], *[[0, 1, 2, 3]] * 4, [4, 5, 6, 7]],
 }
+MOA = ("moa 3+1", "moa 3x2+1", "moa 4x2+1")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,13 +87,15 @@ def run(args: argparse.Namespace) -> Result:
         full = sum(count(t, everything, answer, n) for t in tasks) / len(tasks)
         data[wf] = {"steps": len(deps), "access_lists": scoped, "see_everything": full}
         rows.append([wf, len(deps), round(scoped), round(full), f"{full / scoped:.2f}x"])
-    base = data["pev"]["access_lists"]
-    for wf in ("moa 3+1", "moa 3x2+1"):
-        data[wf]["vs_pev_access_lists"] = data[wf]["access_lists"] / base
+    for wf in MOA:
+        data[wf]["vs_pev_access_lists"] = data[wf]["access_lists"] / data["pev"]["access_lists"]
+        data[wf]["vs_one_step"] = data[wf]["access_lists"] / data["one step"]["access_lists"]
     md = table(["workflow", "steps", "tokens, access lists", "tokens, see-everything", "see-everything / lists"], rows)
     md += (f"\n\nMean tokens per task over {len(tasks)} tasks, answers of {n(answer)} tokens, counted with {name}. "
-           f"MoA 3+1 costs {data['moa 3+1']['vs_pev_access_lists']:.2f}x and MoA 3x2+1 "
-           f"{data['moa 3x2+1']['vs_pev_access_lists']:.2f}x the tokens of pev with access lists.")
+           "Against pev with access lists: "
+           + ", ".join(f"{wf} {data[wf]['vs_pev_access_lists']:.2f}x" for wf in MOA)
+           + "; against one step: " + ", ".join(f"{wf} {data[wf]['vs_one_step']:.2f}x" for wf in MOA)
+           + ". MoA 4x2+1 is togethercomputer/MoA's `advanced-moa.py` (`layers = 3`, 4 reference models).")
     cmd = "python -m bench tokens --quick" if args.quick else \
         f"python -m bench tokens --answer-tokens {args.answer_tokens}"
     data_out = {"encoder": name, "answer_tokens": n(answer), "tasks": len(tasks), "workflows": data}

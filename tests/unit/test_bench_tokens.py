@@ -1,0 +1,30 @@
+"""The tokens benchmark's workflows are the shapes it names, and its count follows what each step sees."""
+
+from __future__ import annotations
+
+from bench.tokens import WORKFLOWS, count
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_published_moa_example_is_four_references_two_layers_and_an_aggregator() -> None:
+    # togethercomputer/MoA advanced-moa.py, layers = 3: 4 references, 4 that see all four, 1 aggregator
+    deps = WORKFLOWS["moa 4x2+1"]
+    assert len(deps) == 9
+    assert deps[:4] == [[], [], [], []]
+    assert deps[4:8] == [[0, 1, 2, 3]] * 4
+    assert deps[8] == [4, 5, 6, 7]
+
+
+def test_a_step_pays_for_each_answer_it_sees_and_only_those() -> None:
+    answer = "x " * 50  # 50 words
+    alone = count("task", [[]], answer, words)
+    seeing_one = count("task", [[], [0]], answer, words) - alone
+    seeing_two = count("task", [[], [], [0, 1]], answer, words) - 2 * alone
+    assert seeing_one - alone >= 50  # the second step's prompt carries the first answer
+    assert seeing_two - seeing_one >= 50  # and one more answer costs at least its length again
+    chain = count("task", [[], [0], [1]], answer, words)
+    everything = count("task", [[], [0], [0, 1]], answer, words)
+    assert everything - chain >= 50  # the access list is what keeps the answer out
