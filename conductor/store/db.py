@@ -44,6 +44,31 @@ def clear_engines() -> None:
     _engine.cache_clear()
 
 
+_expected_users = 0
+"""How many threads or greenlets of this process may hold a connection at once (a worker's slots plus
+its own threads); 0 when unknown. Set by ``expect_concurrent_users``."""
+
+
+def expect_concurrent_users(users: int) -> None:
+    """Sizes this process's pools for ``users`` concurrent holders: up to the process's cap
+    (``db_pool_size + db_max_overflow``), every connection opened stays open. Without it, a worker of 16
+    threads on a pool of 10 closed a connection whenever it returned the eleventh and opened a new one
+    (a new Postgres backend, its statements unprepared) for a later step: ≈15 % of its steps/s
+    (docs/benchmarks.md). The cap, and so the sum to keep under ``max_connections``, is unchanged. Call
+    before the first statement (a worker does at ``worker_init``); engines made earlier are forgotten."""
+    global _expected_users
+    _expected_users = max(0, users)
+    clear_engines()
+
+
+def pool_sizes() -> tuple[int, int]:
+    """(connections kept open, more opened under load and closed when returned) for this process."""
+    settings = get_settings()
+    cap = settings.db_pool_size + settings.db_max_overflow
+    kept = min(max(settings.db_pool_size, _expected_users), cap)
+    return kept, cap - kept
+
+
 @lru_cache(maxsize=8)
 def _engine(url: str) -> Engine:
     if url.startswith("sqlite"):
@@ -52,8 +77,8 @@ def _engine(url: str) -> Engine:
         return engine
     settings = get_settings()
     connect_args = {} if settings.db_synchronous_commit else {"options": "-c synchronous_commit=off"}
-    engine = create_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow,
-                           connect_args=connect_args)
+    kept, overflow = pool_sizes()
+    engine = create_engine(url, pool_size=kept, max_overflow=overflow, connect_args=connect_args)
     dialect = engine.dialect
 
     def probe(dbapi_connection, _record, _proxy) -> None:  # type: ignore[no-untyped-def]

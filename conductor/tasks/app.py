@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from celery import Celery
+from celery.signals import worker_init, worker_ready
 from kombu import Queue
 
 from conductor.settings import Settings, get_settings
 from conductor.tasks import transport
 
+log = logging.getLogger(__name__)
 transport.install()  # one Redis client per broker channel (conductor/tasks/transport.py)
 
 PLANNER_QUEUE = "planner"
@@ -98,6 +102,38 @@ def celery_config(settings: Settings) -> dict[str, object]:
             },
         },
     }
+
+
+WORKER_OWN_DB_USERS = 1
+"""Connections a worker holds besides its slots' (the lease heartbeat's thread, conductor/lease.py)."""
+
+
+@worker_init.connect
+def _size_db_pool(sender: object = None, **_: object) -> None:
+    """A worker keeps a pooled connection per slot (``store.db.expect_concurrent_users``), so that no
+    step waits on opening one. The worker's ``-c`` is known here; ``auto`` is resolved later, and such
+    a worker keeps the configured sizes."""
+    from conductor.store.db import expect_concurrent_users
+
+    slots = getattr(sender, "concurrency", None)
+    if not isinstance(slots, int):
+        return
+    expect_concurrent_users(slots + WORKER_OWN_DB_USERS)
+    _sized_for.append(slots)
+
+
+_sized_for: list[int] = []
+
+
+@worker_ready.connect
+def _log_db_pool(**_: object) -> None:
+    """Says what ``_size_db_pool`` chose, once logging is set up (it is not yet at ``worker_init``)."""
+    from conductor.store.db import pool_sizes
+
+    if _sized_for:
+        kept, overflow = pool_sizes()
+        log.info("database pool: keeps %d connections open for %d slots (+%d opened under load, closed after)",
+                 kept, _sized_for[-1], overflow)
 
 
 def create_app(settings: Settings | None = None) -> Celery:

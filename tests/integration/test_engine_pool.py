@@ -9,7 +9,8 @@ from sqlmodel import Session
 
 from conductor.settings import get_settings
 from conductor.store import jobs as store
-from conductor.store.db import get_engine, session_scope, transaction
+from conductor.store.db import expect_concurrent_users, get_engine, pool_sizes, session_scope, transaction
+from tests.integration.harness import start_worker
 
 
 def _kill_pooled_connections(engine: sa.Engine, n: int) -> list[int]:
@@ -30,6 +31,54 @@ def test_every_caller_of_one_url_shares_one_pool() -> None:
     settings = get_settings()
     assert get_engine() is get_engine(settings.database_url)
     assert get_engine().pool.size() == settings.db_pool_size  # type: ignore[attr-defined]
+
+
+def _backends(engine: sa.Engine, n: int) -> set[int]:
+    """Holds ``n`` connections at once (as ``n`` busy threads would), returns them; their backend pids."""
+    conns = [engine.connect() for _ in range(n)]
+    try:
+        return {int(c.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()) for c in conns}
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_a_pool_sized_for_its_users_keeps_every_connection_it_opened() -> None:
+    settings = get_settings()
+    cap = settings.db_pool_size + settings.db_max_overflow
+    users = settings.db_pool_size + 6
+    get_engine().dispose()
+    try:
+        # Sized by default, the connections past db_pool_size are closed when returned and new backends
+        # are started for the next burst.
+        expect_concurrent_users(0)
+        first, second = _backends(get_engine(), users), _backends(get_engine(), users)
+        assert len(first) == len(second) == users
+        assert len(first & second) == settings.db_pool_size
+        get_engine().dispose()
+
+        expect_concurrent_users(users)
+        assert pool_sizes() == (users, cap - users)
+        first, second = _backends(get_engine(), users), _backends(get_engine(), users)
+        assert first == second and len(first) == users  # the same backends serve the next burst
+
+        expect_concurrent_users(cap + 100)  # never past the process's cap
+        assert pool_sizes() == (cap, 0)
+        expect_concurrent_users(1)  # never below db_pool_size
+        assert pool_sizes() == (settings.db_pool_size, settings.db_max_overflow)
+    finally:
+        get_engine().dispose()
+        expect_concurrent_users(0)
+
+
+def test_a_worker_sizes_its_pool_for_its_slots(proc_env: dict[str, str]) -> None:
+    settings = get_settings()
+    slots = settings.db_pool_size + 6
+    worker = start_worker(proc_env, "poolsize", queues="maintenance", concurrency=slots)
+    try:
+        worker.wait_for_log(f"database pool: keeps {slots + 1} connections open for {slots} slots", timeout=10)
+    finally:
+        worker.stop()
 
 
 def test_a_dead_pooled_connection_is_replaced_before_use() -> None:
