@@ -508,8 +508,11 @@ def _read_step_input_stmt(with_visible: bool) -> sa.Select[Any]:
         other.c.input_tokens + other.c.output_tokens + other.c.reserved_tokens), 0)).where(mine).scalar_subquery()
     spent_usd = sa.select(sa.func.coalesce(sa.func.sum(other.c.cost_usd + other.c.reserved_usd), 0.0)).where(
         mine).scalar_subquery()
-    unstarted = sa.select(sa.func.count()).where(
-        mine, sa.or_(other.c.status == StepStatus.PENDING, other.c.status == StepStatus.QUEUED)).scalar_subquery()
+    # FILTER, not WHERE: a status condition there let Postgres's generic plan (a statement prepared once)
+    # AND the job's index with the status index, a scan of every queued step's entries, dead ones
+    # included (2.6 ms at 45,000 finished steps, growing with the table).
+    waiting = sa.or_(other.c.status == StepStatus.PENDING, other.c.status == StepStatus.QUEUED)
+    unstarted = sa.select(sa.func.count().filter(waiting)).where(mine).scalar_subquery()
     columns: list[Any] = [
         j.c.status, j.c.task, j.c.context, j.c.limits, j.c.pool_config, j.c.created_at,
         j.c.planner_input_tokens + j.c.planner_output_tokens + spent,

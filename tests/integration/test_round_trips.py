@@ -47,6 +47,10 @@ def test_a_middle_step_is_five_statements_in_two_transactions(statements: list[s
     assert len(statements) == 5, statements
     assert kinds == ["SELECT", "WITH", "SELECT", "WITH", "UPDATE"], statements
     assert "jsonb_agg" in statements[0]  # the visible outputs ride on the input's read
+    # The unstarted count's status test is a FILTER, which no plan can turn into an index condition: as
+    # a WHERE, Postgres's generic plan (the statement is prepared) once ANDed the job's index with the
+    # status index and read every queued step's entries (2.6 ms at 45,000 steps, growing with the table).
+    assert "count(*) FILTER (WHERE other.status" in statements[0], statements[0]
     assert "INSERT INTO step_attempt" in statements[1]  # the claim opens its attempt
     assert "FOR UPDATE" in statements[2]
     assert "UPDATE step_attempt" in statements[3] and "UPDATE step SET" in statements[3]
@@ -88,3 +92,4 @@ def test_planning_is_three_statements_and_inserts_its_roots_queued(statements: l
     assert stored is not None and stored.status == "running" and stored.plan_claims == 1
     assert [(st.status, st.queued_at is not None) for st in steps] == [("queued", True), ("queued", True),
                                                                        ("pending", False)]
+
