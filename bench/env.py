@@ -180,19 +180,22 @@ def submit_direct(workflows: Sequence[dict[str, Any]], pool: str, tenant: str = 
 
 
 def wait_done(ids: Sequence[str], timeout: float = 600) -> None:
-    """Polls the store until every job ended (the poll adds nothing: timings come from the rows)."""
+    """Polls the store until every job ended. Timings come from the rows, so the poll only has to stay
+    cheap: it looks the jobs up by primary key (a status condition in SQL had Postgres scan the status
+    index, every finished job's entries, ≈6 ms per poll beside a throughput run on the same 2 cores), and
+    a large batch is polled every 0.25 s."""
     deadline = time.monotonic() + timeout
     pending = list(ids)
+    ended = {"succeeded", "failed", "cancelled"}
     while pending:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{len(pending)} jobs did not finish within {timeout}s")
         with get_engine().connect() as conn:
-            done = {r[0] for r in conn.execute(sa.text(
-                "SELECT id FROM job WHERE id = ANY(:ids) AND status IN ('succeeded','failed','cancelled')"),
-                {"ids": pending})}
+            done = {r[0] for r in conn.execute(sa.text("SELECT id, status FROM job WHERE id = ANY(:ids)"),
+                                               {"ids": pending}) if r[1] in ended}
         pending = [i for i in pending if i not in done]
         if pending:
-            time.sleep(0.05)
+            time.sleep(0.05 if len(pending) <= 20 else 0.25)
 
 
 # --- server-side timestamps -----------------------------------------------------------------------
