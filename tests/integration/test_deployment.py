@@ -55,3 +55,18 @@ def test_compose_file_is_valid_and_runs_real_cli_commands() -> None:
     assert services["planner"]["network_mode"] == "service:vllm"  # beside the model it calls
     assert "CONDUCTOR_METRICS_TOKEN" in services["api"]["environment"]
     assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]
+
+
+def test_postgres_admits_every_connection_the_services_may_open() -> None:
+    """Each long-running conductor process may open db_pool_size + db_max_overflow connections (a
+    worker keeps up to that many open); together they must fit the server's max_connections."""
+    from conductor.settings import Settings
+
+    services = compose_config()["services"]
+    fields = Settings.model_fields  # the defaults, which compose does not override
+    per_process = fields["db_pool_size"].default + fields["db_max_overflow"].default
+    using_db = [name for name, svc in services.items()
+                if svc.get("image") == IMAGE and svc["command"][1] in ("serve", "worker")]
+    command = services["postgres"].get("command", [])
+    limit = next((int(arg.split("=", 1)[1]) for arg in command if str(arg).startswith("max_connections=")), 100)
+    assert len(using_db) * per_process + 10 <= limit, (using_db, per_process, limit)  # 10: migrate, psql
