@@ -4,7 +4,8 @@ which trying again can succeed (the API answers 429 with ``Retry-After``); other
 
 The submit rate and the open streams are counted in Redis (the broker's), so every API process agrees.
 If Redis cannot be reached those two quotas are not enforced (logged): the API keeps accepting work,
-as it does when the broker is down. Jobs in flight are counted in Postgres under a per-tenant lock.
+as it does when the broker is down. Jobs in flight are checked in Postgres under a per-tenant lock,
+against one row per tenant that triggers on ``job`` keep (``store.count_jobs_in_flight``).
 """
 
 from __future__ import annotations

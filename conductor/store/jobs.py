@@ -118,9 +118,23 @@ def get_attempts(session: Session, *, step_ids: Sequence[int]) -> list[StepAttem
 
 
 def count_jobs_in_flight(session: Session, *, tenant: str) -> int:
-    """The tenant's top-level jobs that have not ended (served by the partial index
-    ``ix_job_tenant_in_flight``, so it costs the same whatever the tenant's history)."""
-    return int(_core(session).execute(_count_in_flight_stmt(), {"p_tenant": tenant}).scalar_one())
+    """The tenant's top-level jobs that have not ended. On Postgres one row of ``tenant_in_flight``,
+    which a trigger on ``job`` keeps in the transaction of every change (migration 0011); elsewhere a
+    count over the partial index ``ix_job_tenant_in_flight``."""
+    direct = _core(session)
+    stmt = _in_flight_counter_stmt() if direct.postgres else _count_in_flight_stmt()
+    return int(direct.execute(stmt, {"p_tenant": tenant}).scalar_one())
+
+
+TENANT_IN_FLIGHT = sa.table("tenant_in_flight", sa.column("tenant", sa.String()), sa.column("jobs", sa.Integer()))
+"""Postgres only (migration 0011): each tenant's unfinished top-level jobs, kept by triggers on ``job``."""
+
+
+@cache
+def _in_flight_counter_stmt() -> sa.Select[Any]:
+    c = TENANT_IN_FLIGHT.c
+    row = sa.select(c.jobs).where(c.tenant == sa.bindparam("p_tenant", type_=sa.String())).scalar_subquery()
+    return sa.select(sa.func.coalesce(row, 0))
 
 
 @cache
@@ -244,7 +258,7 @@ def insert_job_admitted(session: Session, *, job: Job, max_in_flight: int, commi
     values = _job_values(job)
     params = {**values, "p_tenant": job.tenant, "p_max_in_flight": max_in_flight}
     direct = _core(session)
-    insert = (_insert_job_admitted_stmt(tuple(values)), params)
+    insert = (_insert_job_admitted_stmt(tuple(values), direct.postgres), params)
     if direct.postgres:
         lock = (_lock_tenant_stmt(), {"p_key": f"conductor-tenant:{job.tenant}"})
         _, inserted = direct.execute_pipelined([lock, insert], commit=commit)
@@ -254,15 +268,20 @@ def insert_job_admitted(session: Session, *, job: Job, max_in_flight: int, commi
 
 
 @lru_cache(maxsize=64)
-def _insert_job_admitted_stmt(columns: tuple[str, ...]) -> sa.Insert:
-    """``INSERT INTO job (…) SELECT :values WHERE (SELECT count(*) FROM (SELECT 1 FROM job WHERE tenant =
-    :t AND in flight LIMIT :max)) < :max RETURNING id``: the count stops at the limit, so a submit (run
-    under the tenant's lock) costs the same however many jobs the tenant has in flight beyond it."""
+def _insert_job_admitted_stmt(columns: tuple[str, ...], counted: bool) -> sa.Insert:
+    """``INSERT INTO job (…) SELECT :values WHERE <in flight> < :max RETURNING id``. ``counted`` (Postgres):
+    <in flight> is the tenant's ``tenant_in_flight`` row (one row, whatever the tenant has in flight: a
+    count read one index entry and heap tuple per job, 6 ms at 12,000, under the tenant's lock). Else a
+    count that stops at the limit."""
     limit = sa.bindparam("p_max_in_flight", type_=sa.Integer())
     tenant = sa.bindparam("p_tenant", type_=sa.String())
-    in_flight = (sa.select(sa.literal_column("1")).select_from(JOB)
-                 .where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL)).limit(limit).subquery("in_flight"))
-    under = sa.select(sa.func.count()).select_from(in_flight).scalar_subquery() < limit
+    if counted:
+        c = TENANT_IN_FLIGHT.c
+        under = sa.func.coalesce(sa.select(c.jobs).where(c.tenant == tenant).scalar_subquery(), 0) < limit
+    else:
+        in_flight = (sa.select(sa.literal_column("1")).select_from(JOB)
+                     .where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL)).limit(limit).subquery("in_flight"))
+        under = sa.select(sa.func.count()).select_from(in_flight).scalar_subquery() < limit
     row = sa.select(*[sa.bindparam(c, type_=JOB.c[c].type) for c in columns]).where(under)
     return sa.insert(JOB).from_select(list(columns), row).returning(JOB.c.id)
 

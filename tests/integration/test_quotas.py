@@ -223,3 +223,60 @@ def test_a_duplicate_idempotency_key_in_the_pipelined_insert_raises_and_rolls_ba
         assert winner is not None and winner.id == first.id
     with session_scope() as s:
         assert store.count_jobs_in_flight(s, tenant="dupkey") == 1
+
+
+def test_the_tenants_in_flight_row_follows_every_change_of_its_jobs() -> None:
+    """On Postgres the quota reads ``tenant_in_flight`` (one row per tenant), kept by triggers on ``job``
+    in the transaction of each change; after every kind of change it equals a count of the jobs."""
+    tenant = "counted"
+
+    def job(**extra: Any) -> Job:
+        return Job.model_construct(tenant=tenant, task="t", pool="default", pool_config={}, planner="x",
+                                   limits={}, meta={}, request_hash="h", **extra)
+
+    def counts() -> tuple[int, int]:
+        with session_scope() as s:
+            counted = s.execute(sa.text(
+                "SELECT count(*) FROM job WHERE tenant = :t AND parent_job_id IS NULL "
+                "AND status IN ('queued', 'planning', 'running')"), {"t": tenant}).scalar_one()
+            return store.count_jobs_in_flight(s, tenant=tenant), int(counted)
+
+    def set_status(job_id: str, status: str) -> None:
+        with session_scope() as s:
+            s.execute(sa.text("UPDATE job SET status = :s WHERE id = :id"), {"s": status, "id": job_id})
+            s.commit()
+
+    jobs = [job() for _ in range(4)]
+    with session_scope() as s:
+        for j in jobs:
+            assert store.insert_job_admitted(s, job=j, max_in_flight=10)
+        s.commit()
+    assert counts() == (4, 4)
+    set_status(jobs[0].id, "planning")  # still in flight
+    set_status(jobs[0].id, "running")
+    assert counts() == (4, 4)
+    set_status(jobs[0].id, "succeeded")
+    set_status(jobs[1].id, "cancelled")
+    assert counts() == (2, 2)
+    set_status(jobs[1].id, "queued")  # a replayed or re-queued job counts again
+    assert counts() == (3, 3)
+    child = job(parent_job_id=jobs[2].id, status="queued")  # a nested run is its parent's step, not a job
+    with session_scope() as s:
+        store.insert_job(s, job=child)
+        s.commit()
+    set_status(child.id, "running")
+    assert counts() == (3, 3)
+    with session_scope() as s:  # rolled back: nothing changes
+        s.execute(sa.text("UPDATE job SET status = 'failed' WHERE tenant = :t"), {"t": tenant})
+        assert store.count_jobs_in_flight(s, tenant=tenant) == 0  # its own transaction sees its change
+        s.rollback()
+    assert counts() == (3, 3)
+    with session_scope() as s:
+        s.execute(sa.text("DELETE FROM job WHERE id = :id"), {"id": jobs[3].id})
+        s.commit()
+    assert counts() == (2, 2)
+    with session_scope() as s:  # TRUNCATE fires no row trigger: a statement trigger empties the rows
+        s.execute(sa.text("TRUNCATE job CASCADE"))
+        assert store.count_jobs_in_flight(s, tenant=tenant) == 0
+        s.rollback()
+    assert counts() == (2, 2)

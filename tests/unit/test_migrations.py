@@ -25,3 +25,16 @@ def test_the_in_flight_index_covers_exactly_the_unfinished_statuses() -> None:
 
     listed = set(re.findall(r"'([a-z_]+)'", IN_FLIGHT_SQL))
     assert listed == {s.value for s in JobStatus} - set(JobStatus.TERMINAL)
+
+
+def test_the_in_flight_triggers_count_exactly_the_unfinished_statuses() -> None:
+    import importlib
+    import re
+
+    from conductor.store.models import IN_FLIGHT_SQL
+
+    migration = importlib.import_module("conductor.migrations.versions.0011_tenant_in_flight")
+    index = set(re.findall(r"'([a-z_]+)'", IN_FLIGHT_SQL))
+    for clause in (migration.OLD_IN_FLIGHT, migration.NEW_IN_FLIGHT):
+        assert set(re.findall(r"'([a-z_]+)'", clause)) == index
+        assert "parent_job_id IS NULL" in clause
