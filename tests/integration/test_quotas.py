@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from conductor.store import jobs as store
 from conductor.store.db import session_scope
 from conductor.store.keys import revoke_key
-from conductor.store.models import Job
+from conductor.store.models import Job, utcnow
 from tests.integration.conftest import new_key
 from tests.integration.harness import Proc, start_api, wait_terminal
 
@@ -230,9 +230,9 @@ def test_the_tenants_in_flight_row_follows_every_change_of_its_jobs() -> None:
     in the transaction of each change; after every kind of change it equals a count of the jobs."""
     tenant = "counted"
 
-    def job(**extra: Any) -> Job:
+    def job(**extra: Any) -> Job:  # marked as sent, so that no reconciler pass sends it meanwhile
         return Job.model_construct(tenant=tenant, task="t", pool="default", pool_config={}, planner="x",
-                                   limits={}, meta={}, request_hash="h", **extra)
+                                   limits={}, meta={}, request_hash="h", enqueued_at=utcnow(), **extra)
 
     def counts() -> tuple[int, int]:
         with session_scope() as s:
@@ -251,6 +251,17 @@ def test_the_tenants_in_flight_row_follows_every_change_of_its_jobs() -> None:
         for j in jobs:
             assert store.insert_job_admitted(s, job=j, max_in_flight=10)
         s.commit()
+    try:
+        _follow(jobs, job, counts, set_status)
+    finally:  # rows no worker or reconciler should ever meet (a made-up pool, a child of no step)
+        with session_scope() as s:
+            s.execute(sa.text("DELETE FROM job WHERE tenant = :t AND parent_job_id IS NOT NULL"), {"t": tenant})
+            s.execute(sa.text("DELETE FROM job WHERE tenant = :t"), {"t": tenant})
+            s.commit()
+    assert counts() == (0, 0)
+
+
+def _follow(jobs: list[Job], job: Any, counts: Any, set_status: Any) -> None:
     assert counts() == (4, 4)
     set_status(jobs[0].id, "planning")  # still in flight
     set_status(jobs[0].id, "running")
@@ -267,8 +278,8 @@ def test_the_tenants_in_flight_row_follows_every_change_of_its_jobs() -> None:
     set_status(child.id, "running")
     assert counts() == (3, 3)
     with session_scope() as s:  # rolled back: nothing changes
-        s.execute(sa.text("UPDATE job SET status = 'failed' WHERE tenant = :t"), {"t": tenant})
-        assert store.count_jobs_in_flight(s, tenant=tenant) == 0  # its own transaction sees its change
+        s.execute(sa.text("UPDATE job SET status = 'failed' WHERE tenant = :t"), {"t": jobs[0].tenant})
+        assert store.count_jobs_in_flight(s, tenant=jobs[0].tenant) == 0  # its own transaction sees its change
         s.rollback()
     assert counts() == (3, 3)
     with session_scope() as s:
@@ -277,6 +288,6 @@ def test_the_tenants_in_flight_row_follows_every_change_of_its_jobs() -> None:
     assert counts() == (2, 2)
     with session_scope() as s:  # TRUNCATE fires no row trigger: a statement trigger empties the rows
         s.execute(sa.text("TRUNCATE job CASCADE"))
-        assert store.count_jobs_in_flight(s, tenant=tenant) == 0
+        assert store.count_jobs_in_flight(s, tenant=jobs[0].tenant) == 0
         s.rollback()
     assert counts() == (2, 2)

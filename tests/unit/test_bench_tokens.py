@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from bench.tokens import WORKFLOWS, count
 
 
@@ -28,3 +32,15 @@ def test_a_step_pays_for_each_answer_it_sees_and_only_those() -> None:
     chain = count("task", [[], [0], [1]], answer, words)
     everything = count("task", [[], [0], [0, 1]], answer, words)
     assert everything - chain >= 50  # the access list is what keeps the answer out
+
+
+
+def test_importing_the_benchmark_leaves_the_process_environment_alone() -> None:
+    # bench.env points its process at the benchmarks' broker and database: imported by this module at
+    # collection, it had sent every worker the integration tests start to the benchmarks' Redis database
+    check = ("import os; before = dict(os.environ); import bench.tokens; "
+             "changed = sorted(k for k in {*before, *os.environ} if before.get(k) != os.environ.get(k)); "
+             "assert not changed, changed")
+    done = subprocess.run([sys.executable, "-c", check], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
