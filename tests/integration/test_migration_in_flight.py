@@ -1,0 +1,70 @@
+"""Migration 0011 on a database that already holds jobs (every deployment that upgrades): the tenants'
+in-flight rows start from a count of their unfinished top-level jobs, and downgrading removes what it
+added. Runs on a database of its own, created and dropped here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from alembic import command
+
+from conductor.migrations.migrate import alembic_config, upgrade
+from conductor.settings import get_settings
+
+DB = "conductor_migration_test"
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    base = sa.make_url(get_settings().database_url)
+    admin = sa.create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {DB}")
+        conn.exec_driver_sql(f"CREATE DATABASE {DB}")
+    try:
+        yield base.set(database=DB).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+        admin.dispose()
+
+
+def _job(conn: sa.Connection, job_id: str, tenant: str, status: str, parent: str | None = None) -> None:
+    conn.execute(sa.text(
+        "INSERT INTO job (id, tenant, status, task, pool, pool_config, planner, depth, limits, metadata, "
+        "cancel_requested, planner_attempts, planner_input_tokens, planner_output_tokens, planner_cost_usd, "
+        "planner_calls, input_tokens, output_tokens, cost_usd, calls, parent_job_id, created_at, updated_at) "
+        "VALUES (:id, :tenant, :status, 't', 'sim', '{}', 'x', 0, '{}', '{}', false, 0, 0, 0, 0, 0, 0, 0, 0, 0, "
+        ":parent, now(), now())"), {"id": job_id, "tenant": tenant, "status": status, "parent": parent})
+
+
+def test_the_upgrade_counts_the_jobs_already_in_flight_and_the_downgrade_removes_its_parts(url: str) -> None:
+    upgrade(url, "0010_in_flight_index")
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    try:
+        with engine.begin() as conn:
+            for i, status in enumerate(["queued", "planning", "running", "succeeded", "failed", "cancelled"]):
+                _job(conn, f"a{i}", "alpha", status)
+            _job(conn, "b0", "beta", "running")
+            _job(conn, "b1", "beta", "running", parent="b0")  # a nested run: not a job of its own
+            _job(conn, "c0", "gamma", "succeeded")
+        upgrade(url)
+        with engine.begin() as conn:
+            rows = dict(conn.exec_driver_sql("SELECT tenant, jobs FROM tenant_in_flight").all())
+            assert rows == {"alpha": 3, "beta": 1}
+            _job(conn, "c1", "gamma", "queued")  # and the triggers keep it from here
+            conn.exec_driver_sql("UPDATE job SET status = 'succeeded' WHERE id = 'a0'")
+        with engine.connect() as conn:
+            rows = dict(conn.exec_driver_sql("SELECT tenant, jobs FROM tenant_in_flight").all())
+            assert rows == {"alpha": 2, "beta": 1, "gamma": 1}
+        command.downgrade(alembic_config(url), "0010_in_flight_index")
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT to_regclass('tenant_in_flight')").scalar() is None
+            assert conn.execute(sa.text(
+                "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'job_in_flight%'")).scalar() == 0
+            assert conn.execute(sa.text(
+                "SELECT count(*) FROM pg_proc WHERE proname LIKE 'conductor_tenant_in_flight%'")).scalar() == 0
+    finally:
+        engine.dispose()
