@@ -130,11 +130,15 @@ TENANT_IN_FLIGHT = sa.table("tenant_in_flight", sa.column("tenant", sa.String())
 """Postgres only (migration 0011): each tenant's unfinished top-level jobs, kept by triggers on ``job``."""
 
 
+def _tenant_in_flight(tenant: sa.BindParameter[str]) -> sa.ColumnElement[int]:
+    """The tenant's row of ``tenant_in_flight`` (0 when it has none yet)."""
+    c = TENANT_IN_FLIGHT.c
+    return sa.func.coalesce(sa.select(c.jobs).where(c.tenant == tenant).scalar_subquery(), 0)
+
+
 @cache
 def _in_flight_counter_stmt() -> sa.Select[Any]:
-    c = TENANT_IN_FLIGHT.c
-    row = sa.select(c.jobs).where(c.tenant == sa.bindparam("p_tenant", type_=sa.String())).scalar_subquery()
-    return sa.select(sa.func.coalesce(row, 0))
+    return sa.select(_tenant_in_flight(sa.bindparam("p_tenant", type_=sa.String())))
 
 
 @cache
@@ -276,8 +280,7 @@ def _insert_job_admitted_stmt(columns: tuple[str, ...], counted: bool) -> sa.Ins
     limit = sa.bindparam("p_max_in_flight", type_=sa.Integer())
     tenant = sa.bindparam("p_tenant", type_=sa.String())
     if counted:
-        c = TENANT_IN_FLIGHT.c
-        under = sa.func.coalesce(sa.select(c.jobs).where(c.tenant == tenant).scalar_subquery(), 0) < limit
+        under = _tenant_in_flight(tenant) < limit
     else:
         in_flight = (sa.select(sa.literal_column("1")).select_from(JOB)
                      .where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL)).limit(limit).subquery("in_flight"))
