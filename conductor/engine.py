@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -73,24 +73,59 @@ class Dispatch:
     """The agent of each step in ``steps`` where known: only for display (Flower, logs)."""
     webhooks: list[str] = field(default_factory=list)
     """Webhook deliveries (outbox rows written with the job's end) to send on the ``webhooks`` queue."""
+    taken: Taken | None = None
+    """A ready step already claimed for the worker that asked (``Taker``): no message; that worker runs
+    it next (``run_taken``). Only an outcome given a ``Taker`` sets it."""
 
     def __iadd__(self, other: Dispatch) -> Dispatch:
+        if self.taken is not None and other.taken is not None:
+            raise ValueError("two claimed steps in one dispatch: one would never run")
         self.plan += other.plan
         self.steps += other.steps
         self.finalize += other.finalize
         self.agents.update(other.agents)
         self.webhooks += other.webhooks
+        self.taken = self.taken or other.taken
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.plan or self.steps or self.finalize or self.webhooks)
+        return bool(self.plan or self.steps or self.finalize or self.webhooks or self.taken)
+
+
+@dataclass(frozen=True)
+class Taker:
+    """A worker slot that will run one of the steps an outcome makes ready. That step is claimed in the
+    outcome's own transaction, which holds the job row's lock already: one transaction (and one ``COMMIT``,
+    the WAL flush) fewer per hop of a chain. ``runs(job_id, index, agent)`` says whether this worker takes
+    such a step at all (a queue it consumes)."""
+
+    worker: str
+    task_id: str | None
+    settings: Settings
+    runs: Callable[[str, int, str], bool]
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A step claimed for a ``Taker`` (or refused at that claim): what ``run_taken`` runs."""
+
+    job_id: str
+    index: int
+    agent: str
+    claim: _Claimed | _Refused
+
+
+class _TakeFailed(Exception):
+    """Claiming a ready step inside an outcome's transaction raised: the outcome is recorded again
+    without it, and the step goes the usual way (its own claim transaction, which fails it visibly)."""
 
 
 # --- planning -------------------------------------------------------------------------------------
 
 
-def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
-    """queued -> planning -> running: asks the planner, writes one row per step, dispatches the roots.
+def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> Dispatch:
+    """queued -> planning -> running: asks the planner, writes one row per step, dispatches the roots
+    (with ``take``, claiming one of them for that worker in the same transaction: ``Dispatch.taken``).
 
     Each planning run holds a claim number; if the reconciler re-drove this job meanwhile (this worker
     looked dead), the newer claim wins and this one records nothing.
@@ -117,6 +152,7 @@ def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
                         message=f"planning crashed ({type(exc).__name__}); see the planner worker's log")
     wf = result.workflow
     over: list[str] = []
+    taker = [take]
 
     def record(s: Session) -> Dispatch:
         over.clear()
@@ -147,9 +183,18 @@ def plan_job(job_id: str, *, settings: Settings) -> Dispatch:
         for i in roots:  # inserted queued: no second statement to mark them
             rows[i].update(status=StepStatus.QUEUED, queued_at=now)
         store.insert_steps(s, steps=rows)
-        return Dispatch(steps=[(job_id, i) for i in roots], agents={(job_id, i): wf.steps[i].agent for i in roots})
+        agents = {i: wf.steps[i].agent for i in roots}
+        taken = _take(s, job_id, roots, agents, taker[0]) if taker[0] is not None else None
+        sent = [i for i in roots if taken is None or i != taken.index]
+        return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agents[i] for i in sent}, taken=taken)
 
-    dispatch = transaction(record)
+    try:
+        dispatch = transaction(record)
+    except _TakeFailed as exc:
+        log.warning("job %s: claiming a root step with the plan raised %s; recording the plan without it",
+                    job_id, type(exc.__cause__).__name__)
+        taker[0] = None
+        dispatch = transaction(record)
     if over:
         return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over[0], plan_claim=claim)
     return dispatch
@@ -201,9 +246,17 @@ class _Refused:
     attempts: int
 
 
-def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings) -> Dispatch:
-    """Claims the step, renders its messages, calls its agent with retries, records the one outcome."""
-    owner = f"{worker[:100]}#{uuid.uuid4().hex[:12]}"  # unique per claim; fits the 128-char columns
+def _owner(worker: str) -> str:
+    return f"{worker[:100]}#{uuid.uuid4().hex[:12]}"  # unique per claim; fits the 128-char columns
+
+
+def run_step(
+    job_id: str, index: int, *, worker: str, task_id: str | None, settings: Settings, take: Taker | None = None
+) -> Dispatch:
+    """Claims the step, renders its messages, calls its agent with retries, records the one outcome.
+    With ``take``, the outcome may claim one of the steps it makes ready for that worker
+    (``Dispatch.taken``)."""
+    owner = _owner(worker)
     try:
         claimed = transaction(lambda s: _claim(s, job_id, index, owner=owner, task_id=task_id, settings=settings))
     except (OperationalError, InterfaceError):
@@ -212,12 +265,23 @@ def run_step(job_id: str, index: int, *, worker: str, task_id: str | None, setti
         return _fail_unclaimable(job_id, index, owner, _internal(exc, job_id, index), settings)
     if isinstance(claimed, Dispatch):
         return claimed
+    return _run_claimed(job_id, index, claimed, settings, take)
+
+
+def run_taken(taken: Taken, *, settings: Settings, take: Taker | None = None) -> Dispatch:
+    """Runs the step an outcome claimed for this worker (``Dispatch.taken``): what ``run_step`` does
+    after its claim transaction."""
+    return _run_claimed(taken.job_id, taken.index, taken.claim, settings, take)
+
+
+def _run_claimed(job_id: str, index: int, claimed: _Claimed | _Refused, settings: Settings,
+                 take: Taker | None) -> Dispatch:
     if isinstance(claimed, _Refused):
         return _fail_step(job_id, claimed.step_id, claimed.error, attempts=0, owner=claimed.owner,
                           attempt_id=None, attempts_column=claimed.attempts)
     longest = settings.step_max_duration_s(claimed.config.timeout_s)
-    with heartbeat(settings.step_lease_s).holding(claimed.step_id, owner, for_s=longest):
-        return _call_and_record(job_id, index, claimed, settings)
+    with heartbeat(settings.step_lease_s).holding(claimed.step_id, claimed.owner, for_s=longest):
+        return _call_and_record(job_id, index, claimed, settings, take)
 
 
 def _fail_unclaimable(job_id: str, index: int, owner: str, error: InternalError, settings: Settings) -> Dispatch:
@@ -235,7 +299,7 @@ def _fail_unclaimable(job_id: str, index: int, owner: str, error: InternalError,
     return advance(job_id) if transaction(fail) else Dispatch()
 
 
-def _call_and_record(job_id: str, index: int, claimed: _Claimed, settings: Settings) -> Dispatch:
+def _call_and_record(job_id: str, index: int, claimed: _Claimed, settings: Settings, take: Taker | None) -> Dispatch:
     policy = RetryPolicy.from_settings(settings)
     timeout = claimed.config.timeout_s or settings.provider_timeout_s
     owner = claimed.owner
@@ -285,7 +349,7 @@ def _call_and_record(job_id: str, index: int, claimed: _Claimed, settings: Setti
             return _fail_step(job_id, claimed.step_id, exc, attempts=n, owner=owner, attempt_id=attempt_id,
                               latency_ms=elapsed, attempt_error=exc)
         columns = _completion_columns(completion, claimed.config)
-        return _record_success(job_id, index, claimed.step_id, owner, attempt_id, completion, columns)
+        return _record_success(job_id, index, claimed.step_id, owner, attempt_id, completion, columns, take)
 
 
 def _internal(exc: Exception, job_id: str, index: int) -> InternalError:
@@ -475,12 +539,14 @@ def _fail_step(
 
 def _record_success(
     job_id: str, index: int, step_id: int, owner: str, attempt_id: int, completion: Completion,
-    columns: dict[str, Any],
+    columns: dict[str, Any], take: Taker | None = None,
 ) -> Dispatch:
     """The outcome transaction: locks the job row, records the answer, closes the attempt, and then
-    either marks the steps that became ready (one ``UPDATE … RETURNING``) or finalizes the job."""
+    either marks the steps that became ready (one ``UPDATE … RETURNING``), claiming one of them for
+    ``take``, or finalizes the job."""
     parent: list[str] = []
     ended: list[str] = []
+    taker = [take]
 
     def record(s: Session) -> Dispatch | None:
         parent.clear()
@@ -505,9 +571,15 @@ def _record_success(
                 ended.append(job_id)
                 parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
             return Dispatch(webhooks=_webhooks_owed(s, job_id) if ended else [])
-        return _dispatch_ready(s, job_id, steps)
+        return _dispatch_ready(s, job_id, steps, taker[0])
 
-    outcome = transaction(record)
+    try:
+        outcome = transaction(record)
+    except _TakeFailed as exc:
+        log.warning("job %s: claiming a ready step with step %s's outcome raised %s; recording the outcome "
+                    "without it", job_id, index, type(exc.__cause__).__name__)
+        taker[0] = None
+        outcome = transaction(record)
     if outcome is None:
         return advance(job_id)
     for done in ended:
@@ -517,13 +589,34 @@ def _record_success(
     return outcome
 
 
-def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead]) -> Dispatch:
+def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead], take: Taker | None = None) -> Dispatch:
     done = [st.index for st in steps if st.status == StepStatus.SUCCEEDED]
     started = [st.index for st in steps if st.status != StepStatus.PENDING]
     ready = ready_steps([st.access_list for st in steps], done=done, started=started)
     won = store.mark_steps_queued(s, job_id=job_id, indices=ready)
     agent = {st.index: st.agent for st in steps}
-    return Dispatch(steps=[(job_id, i) for i in won], agents={(job_id, i): agent[i] for i in won})
+    taken = _take(s, job_id, won, agent, take) if take is not None else None
+    sent = [i for i in won if taken is None or i != taken.index]
+    return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agent[i] for i in sent}, taken=taken)
+
+
+def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str], take: Taker) -> Taken | None:
+    """Claims the first of ``ready`` that ``take`` runs, in the caller's transaction (``_claim``, as the
+    step's own claim transaction would). A nested conductor step is left to its own claim: it starts a
+    child job. A step that cannot be claimed here is simply sent."""
+    for i in ready:
+        if agents[i] == CONDUCTOR_AGENT or not take.runs(job_id, i, agents[i]):
+            continue
+        try:
+            claimed = _claim(s, job_id, i, owner=_owner(take.worker), task_id=take.task_id, settings=take.settings)
+        except (OperationalError, InterfaceError):
+            raise  # the database is away: the whole outcome is retried or left to the reconciler, as before
+        except Exception as exc:
+            raise _TakeFailed from exc
+        if isinstance(claimed, Dispatch):
+            return None
+        return Taken(job_id, i, agents[i], claimed)
+    return None
 
 
 def _finalize(s: Session, head: store.JobHead, steps: list[store.StepHead], answer: str | None) -> bool:

@@ -5,23 +5,30 @@ pool that has a ``sim`` agent ``a``."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
-from conductor.engine import plan_job, run_step
+from conductor.engine import Taker, plan_job, run_step, run_taken
 from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import session_scope, transaction
-from conductor.store.models import StepStatus, utcnow
+from conductor.store.models import JobStatus, StepStatus, utcnow
 from conductor.submission import JobCreate, create_job
 
 
-def new_chain(steps: int, agent: str = "a") -> str:
+def new_chain(steps: int, agent: str = "a", **extra: Any) -> str:
     with session_scope() as s:
         job, _ = create_job(s, JobCreate.model_validate({"task": "round trips", "workflow": {
             "model_ids": [agent] * steps, "subtasks": [f"part {i}" for i in range(steps)],
-            "access_lists": [[i - 1] if i else [] for i in range(steps)]}}), tenant="trips",
+            "access_lists": [[i - 1] if i else [] for i in range(steps)]}, **extra}), tenant="trips",
             settings=get_settings())
         return job.id
+
+
+def taker(runs: bool = True) -> Taker:
+    """A worker slot that takes every step of agent ``a`` (or, with ``runs=False``, none)."""
+    return Taker(worker="taker", task_id="task-1", settings=get_settings(),
+                 runs=lambda _job, _index, agent: runs and agent == "a")
 
 
 def the_read_returns_what_the_separate_outputs_query_returns() -> None:
@@ -133,9 +140,76 @@ def recording_returns_the_heads_with_this_step_as_recorded() -> None:
     assert again and heads == expected
 
 
+def an_outcome_claims_the_step_it_made_ready_for_its_taker() -> None:
+    settings = get_settings()
+    job_id = new_chain(3)
+    take = taker()
+    due = plan_job(job_id, settings=settings, take=take)
+    assert due.steps == [] and due.taken is not None and due.taken.index == 0  # claimed by the plan, not sent
+    with session_scope() as s:
+        first = store.get_step(s, job_id=job_id, index=0)
+        assert first is not None and first.id is not None
+        (attempt,) = store.get_attempts(s, step_ids=[first.id])
+    assert first.status == StepStatus.RUNNING and first.attempts == 1
+    assert first.lease_owner is not None and first.lease_owner.startswith("taker#")
+    assert first.celery_task_id == "task-1" and attempt.worker == first.lease_owner and attempt.finished_at is None
+    for index in (1, 2):
+        due = run_taken(due.taken, settings=settings, take=take)
+        assert due.steps == [] and due.taken is not None and due.taken.index == index
+        with session_scope() as s:  # the claim read the step's input after the outcome, in its transaction
+            step = store.get_step(s, job_id=job_id, index=index)
+            before = store.get_step(s, job_id=job_id, index=index - 1)
+        assert step is not None and before is not None and before.status == StepStatus.SUCCEEDED
+        assert step.status == StepStatus.RUNNING and step.started_at is not None
+        assert [m["content"] for m in step.messages or []][-3:] == [f"part {index - 1}", before.output,
+                                                                     f"part {index}"]
+    ended = run_taken(due.taken, settings=settings, take=take)
+    assert ended.taken is None and ended.steps == []
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        steps = store.get_steps(s, job_id=job_id)
+        attempts = store.get_attempts(s, step_ids=[st.id for st in steps if st.id is not None])
+    assert job is not None and job.status == JobStatus.SUCCEEDED and job.answer == steps[-1].output
+    assert [(st.status, st.attempts) for st in steps] == [(StepStatus.SUCCEEDED, 1)] * 3
+    assert [(a.n, a.error_type, a.finished_at is not None) for a in attempts] == [(1, None, True)] * 3
+
+
+def a_taker_that_does_not_run_the_step_leaves_it_to_be_sent() -> None:
+    settings = get_settings()
+    job_id = new_chain(2)
+    due = plan_job(job_id, settings=settings, take=taker(runs=False))
+    assert due.taken is None and due.steps == [(job_id, 0)]
+    due = run_step(job_id, 0, worker="w", task_id=None, settings=settings, take=taker(runs=False))
+    assert due.taken is None and due.steps == [(job_id, 1)]
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=1)
+    assert step is not None and step.status == StepStatus.QUEUED and step.lease_owner is None
+
+
+def a_step_refused_at_its_taking_fails_the_job_when_run() -> None:
+    settings = get_settings()
+    job_id = new_chain(2, limits={"deadline_s": 60})
+    take = taker()
+    due = plan_job(job_id, settings=settings, take=take)
+    assert due.taken is not None
+    with session_scope() as s:  # the deadline passes while step 0 runs
+        store.update_job(s, job_id=job_id, created_at=utcnow() - timedelta(seconds=120))
+    due = run_taken(due.taken, settings=settings, take=take)
+    assert due.taken is not None and due.taken.index == 1  # claimed, to be failed without a call
+    assert run_taken(due.taken, settings=settings, take=take).taken is None
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        second = store.get_step(s, job_id=job_id, index=1)
+    assert job is not None and job.status == JobStatus.FAILED and job.error_type == "deadline_exceeded"
+    assert second is not None and second.status == StepStatus.FAILED and second.attempts == 0
+
+
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
     recording_closes_the_attempt_only_if_still_open,
     recording_returns_the_heads_with_this_step_as_recorded,
+    an_outcome_claims_the_step_it_made_ready_for_its_taker,
+    a_taker_that_does_not_run_the_step_leaves_it_to_be_sent,
+    a_step_refused_at_its_taking_fails_the_job_when_run,
 )

@@ -1,7 +1,8 @@
 """The step hot path's round trips on Postgres: a step is claimed in two statements (its input with the
 outputs it may see; the claim with its attempt) and recorded in three (the job-row lock; the outcome with
-its attempt's close and the job's step heads; the steps it made ready). SQLite (embedded mode) runs each
-folded statement as two or three: the store cases (tests/hot_path_cases.py) run on both."""
+its attempt's close and the job's step heads; the steps it made ready). A step the worker runs next
+itself is claimed inside that outcome's transaction: one transaction per hop of a chain. SQLite (embedded
+mode) runs each folded statement as two or three: the store cases (tests/hot_path_cases.py) run on both."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from conductor.engine import plan_job, run_step
+from conductor import engine
+from conductor.engine import plan_job, run_step, run_taken
 from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
 from conductor.store.models import StepStatus
 from conductor.submission import JobCreate, create_job
-from tests.hot_path_cases import CASES, new_chain
+from tests.hot_path_cases import CASES, new_chain, taker
 
 
 @pytest.fixture
@@ -67,6 +69,74 @@ def test_a_middle_step_is_five_statements_in_two_transactions(statements: list[s
     assert attempts[0].worker == step.lease_owner  # the claim's owner opened it
     contents = [m["content"] for m in step.messages or []]
     assert contents[-3:] == ["part 0", first.output, "part 1"]  # step 0's turn, seen through the access list
+
+
+@pytest.fixture
+def commits() -> Iterator[list[str]]:
+    seen: list[str] = []
+
+    def on_commit(conn: Any) -> None:
+        seen.append("COMMIT")
+
+    engine_ = get_engine()
+    sa.event.listen(engine_, "commit", on_commit)
+    yield seen
+    sa.event.remove(engine_, "commit", on_commit)
+
+
+def test_a_step_run_next_by_the_same_slot_is_claimed_in_the_outcome_that_made_it_ready(
+    statements: list[str], commits: list[str]
+) -> None:
+    settings = get_settings()
+    job_id = new_chain(3)
+    take = taker()
+    due = plan_job(job_id, settings=settings, take=take)
+    assert due.taken is not None
+    statements.clear()
+    commits.clear()
+
+    due = run_taken(due.taken, settings=settings, take=take)  # step 0's call and outcome, claiming step 1
+
+    assert due.steps == [] and due.taken is not None and due.taken.index == 1
+    kinds = [s.split(" ")[0] for s in statements]
+    assert kinds == ["SELECT", "WITH", "UPDATE", "SELECT", "WITH"], statements
+    assert "FOR UPDATE" in statements[0] and "= ANY (" in statements[2]
+    assert "jsonb_agg" in statements[3] and "INSERT INTO step_attempt" in statements[4]
+    assert commits == ["COMMIT"]  # one transaction for the outcome of one step and the claim of the next
+
+    statements.clear()
+    commits.clear()
+    # A message for step 1 all the same (a redelivery): its lease is live, the claim matches no row.
+    assert not run_step(job_id, 1, worker="other", task_id=None, settings=settings)
+    assert len(statements) == 2 and commits == ["COMMIT"]
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=1)
+    assert step is not None and step.status == StepStatus.RUNNING and str(step.lease_owner).startswith("taker#")
+
+
+def test_a_claim_that_raises_inside_an_outcome_leaves_the_step_to_be_sent(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = get_settings()
+    job_id = new_chain(2)
+    take = taker()
+    due = plan_job(job_id, settings=settings, take=take)
+    assert due.taken is not None
+    real = engine._claim
+
+    def broken(s: Any, job: str, index: int, **kw: Any) -> Any:
+        if index == 1:
+            raise RuntimeError("a bug in rendering step 1")
+        return real(s, job, index, **kw)
+
+    monkeypatch.setattr(engine, "_claim", broken)
+    due = run_taken(due.taken, settings=settings, take=take)
+
+    assert due.taken is None and due.steps == [(job_id, 1)]  # the outcome recorded again, without the claim
+    assert "claiming a ready step with step 0's outcome raised RuntimeError" in caplog.text
+    with session_scope() as s:
+        steps = store.get_steps(s, job_id=job_id)
+    assert [(st.status, st.lease_owner is None) for st in steps] == [("succeeded", False), ("queued", True)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
