@@ -551,10 +551,9 @@ def _record_success(
     def record(s: Session) -> Dispatch | None:
         parent.clear()
         ended.clear()
-        head = store.lock_job(s, job_id=job_id)
         closing = store.AttemptEnd(attempt_id, completion.latency_ms)
-        recorded, steps = store.record_step_and_heads(s, job_id=job_id, step_id=step_id, owner=owner,
-                                                      to=StepStatus.SUCCEEDED, closing=closing, **columns)
+        head, recorded, steps = store.lock_job_and_record(s, job_id=job_id, step_id=step_id, owner=owner,
+                                                          to=StepStatus.SUCCEEDED, closing=closing, **columns)
         if not recorded:
             # Cancelled or taken over meanwhile: the answer is dropped, its cost is not.
             store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, input_tokens=completion.input_tokens,
@@ -593,11 +592,18 @@ def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead], take: 
     done = [st.index for st in steps if st.status == StepStatus.SUCCEEDED]
     started = [st.index for st in steps if st.status != StepStatus.PENDING]
     ready = ready_steps([st.access_list for st in steps], done=done, started=started)
-    won = store.mark_steps_queued(s, job_id=job_id, indices=ready)
     agent = {st.index: st.agent for st in steps}
-    taken = _take(s, job_id, won, agent, take) if take is not None else None
+    takes = take is not None and any(_takes(take, job_id, i, agent[i]) for i in ready)
+    # The marking is the transaction's last statement unless a step is claimed after it: its COMMIT then
+    # goes in the same round trip (the caller's own commit finds nothing left to do).
+    won = store.mark_steps_queued(s, job_id=job_id, indices=ready, commit=not takes)
+    taken = _take(s, job_id, won, agent, take) if take is not None and takes else None
     sent = [i for i in won if taken is None or i != taken.index]
     return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agent[i] for i in sent}, taken=taken)
+
+
+def _takes(take: Taker, job_id: str, index: int, agent: str) -> bool:
+    return agent != CONDUCTOR_AGENT and take.runs(job_id, index, agent)
 
 
 def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str], take: Taker) -> Taken | None:
@@ -605,7 +611,7 @@ def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str], tak
     step's own claim transaction would). A nested conductor step is left to its own claim: it starts a
     child job. A step that cannot be claimed here is simply sent."""
     for i in ready:
-        if agents[i] == CONDUCTOR_AGENT or not take.runs(job_id, i, agents[i]):
+        if not _takes(take, job_id, i, agents[i]):
             continue
         try:
             claimed = _claim(s, job_id, i, owner=_owner(take.worker), task_id=take.task_id, settings=take.settings)

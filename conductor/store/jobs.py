@@ -351,14 +351,20 @@ def _insert_step_stmt() -> sa.Insert:
     return sa.insert(STEP)
 
 
-def mark_steps_queued(session: Session, *, job_id: str, indices: Sequence[int]) -> list[int]:
+def mark_steps_queued(session: Session, *, job_id: str, indices: Sequence[int], commit: bool = False) -> list[int]:
     """pending -> queued for each index, in one statement; returns the indices this caller moved (and must
-    dispatch): of two callers marking the same step, exactly one gets it back."""
+    dispatch): of two callers marking the same step, exactly one gets it back.
+
+    ``commit``: commits the caller's transaction in the same round trip (``Direct.execute_pipelined``), for
+    a caller whose next step would be its commit (the outcome's lock on the job row is then released by
+    the server, without waiting for this client again)."""
     if not indices:
         return []
     params = {"p_job_id": job_id, "p_indices": list(indices), "p_now": utcnow()}
     direct = _core(session)
-    return sorted(int(i) for i in direct.execute(_mark_queued_stmt(direct.postgres), params).scalars())
+    stmt = _mark_queued_stmt(direct.postgres)
+    marked = direct.execute_pipelined([(stmt, params)], commit=True)[0] if commit else direct.execute(stmt, params)
+    return sorted(int(i) for i in marked.scalars())
 
 
 @cache
@@ -842,10 +848,39 @@ def record_step_and_heads(
         if not record_step(session, step_id=step_id, owner=owner, to=to, closing=closing, **values):
             return False, []
         return True, step_heads(session, job_id=job_id)
+    stmt, params = _record_and_heads(job_id, step_id, owner, to, closing, values)
+    return _recorded_heads(direct.execute(stmt, params).rows)
+
+
+def lock_job_and_record(
+    session: Session, *, job_id: str, step_id: int, owner: str, to: str, closing: AttemptEnd, **values: Any
+) -> tuple[JobHead | None, bool, list[StepHead]]:
+    """``lock_job`` and then ``record_step_and_heads``. On Postgres both go in one psycopg pipeline: the
+    server runs the record right after granting the lock (its snapshot still starts after the lock), so
+    the job row's lock is never held across a client round trip between them — the wait for the reply
+    and for this process's GIL, which the other steps of the job queue behind."""
+    direct = _core(session)
+    if not direct.postgres:
+        head = lock_job(session, job_id=job_id)
+        recorded, heads = record_step_and_heads(session, job_id=job_id, step_id=step_id, owner=owner, to=to,
+                                                closing=closing, **values)
+        return head, recorded, heads
+    lock = (_lock_job_stmt(), {"p_job_id": job_id})
+    locked, rows = direct.execute_pipelined([lock, _record_and_heads(job_id, step_id, owner, to, closing, values)])
+    row = locked.first()
+    return (JobHead(*row) if row is not None else None, *_recorded_heads(rows.rows))
+
+
+def _record_and_heads(
+    job_id: str, step_id: int, owner: str, to: str, closing: AttemptEnd, values: dict[str, Any]
+) -> tuple[sa.CompoundSelect, dict[str, Any]]:
     params = {"p_job_id": job_id, "p_step_id": step_id, "p_owner": owner, "p_now": utcnow(),
               "p_id": closing.attempt_id, "p_latency": closing.latency_ms, "p_error_type": closing.error_type,
               "p_error": closing.error, **{f"v_{k}": v for k, v in values.items()}}
-    rows = direct.execute(_record_and_heads_stmt(str(to), tuple(sorted(values))), params).rows
+    return _record_and_heads_stmt(str(to), tuple(sorted(values))), params
+
+
+def _recorded_heads(rows: list[tuple[Any, ...]]) -> tuple[bool, list[StepHead]]:
     if not any(r[0] for r in rows):
         return False, []
     heads = sorted((StepHead(r[1], r[2], list(r[3] or []), r[4], r[5], r[6], r[7], r[8], r[9], r[10])

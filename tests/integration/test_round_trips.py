@@ -6,6 +6,7 @@ mode) runs each folded statement as two or three: the store cases (tests/hot_pat
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,10 +25,12 @@ from tests.hot_path_cases import CASES, new_chain, taker
 
 @pytest.fixture
 def statements() -> Iterator[list[str]]:
+    """Each statement sent, flattened; one sent inside a psycopg pipeline is prefixed ``|``."""
     seen: list[str] = []
 
     def capture(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        seen.append(" ".join(statement.split()))
+        piped = cursor.connection.pgconn.pipeline_status != 0  # libpq's PQ_PIPELINE_OFF
+        seen.append(("|" if piped else "") + " ".join(statement.split()))
 
     engine = get_engine()
     sa.event.listen(engine, "before_cursor_execute", capture)
@@ -47,7 +50,9 @@ def test_a_middle_step_is_five_statements_in_two_transactions(statements: list[s
     assert ready.steps == [(job_id, 2)]
     kinds = [s.split(" ")[0] for s in statements]
     assert len(statements) == 5, statements
-    assert kinds == ["SELECT", "WITH", "SELECT", "WITH", "UPDATE"], statements
+    # The job-row lock and the outcome go in one pipeline, and so does the marking (with the COMMIT): the
+    # lock is never held across a client round trip but the one that reads the outcome's step heads.
+    assert kinds == ["SELECT", "WITH", "|SELECT", "|WITH", "|UPDATE"], statements
     assert "jsonb_agg" in statements[0]  # the visible outputs ride on the input's read
     # The unstarted count's status test is a FILTER, which no plan can turn into an index condition: as
     # a WHERE, Postgres's generic plan (the statement is prepared) once ANDed the job's index with the
@@ -99,7 +104,7 @@ def test_a_step_run_next_by_the_same_slot_is_claimed_in_the_outcome_that_made_it
 
     assert due.steps == [] and due.taken is not None and due.taken.index == 1
     kinds = [s.split(" ")[0] for s in statements]
-    assert kinds == ["SELECT", "WITH", "UPDATE", "SELECT", "WITH"], statements
+    assert kinds == ["|SELECT", "|WITH", "UPDATE", "SELECT", "WITH"], statements  # the claim follows the marking
     assert "FOR UPDATE" in statements[0] and "= ANY (" in statements[2]
     assert "jsonb_agg" in statements[3] and "INSERT INTO step_attempt" in statements[4]
     assert commits == ["COMMIT"]  # one transaction for the outcome of one step and the claim of the next
@@ -137,6 +142,74 @@ def test_a_claim_that_raises_inside_an_outcome_leaves_the_step_to_be_sent(
     with session_scope() as s:
         steps = store.get_steps(s, job_id=job_id)
     assert [(st.status, st.lease_owner is None) for st in steps] == [("succeeded", False), ("queued", True)]
+
+
+def test_of_two_parents_of_a_join_recording_together_the_second_sees_the_first() -> None:
+    """The outcome's lock and record are pipelined; the record's snapshot still starts after the lock, so
+    the parent that waited on the job row sees the other's outcome and is the one that marks the join."""
+    settings = get_settings()
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "join", "workflow": {
+            "model_ids": ["a"] * 3, "subtasks": ["x", "y", "z"], "access_lists": [[], [], [0, 1]]}}),
+            tenant="trips", settings=settings)
+    plan_job(job.id, settings=settings)
+    claims = [transaction_claim(job.id, i, f"parent{i}#1") for i in (0, 1)]
+
+    def record(s: Any, i: int) -> tuple[Any, bool, list[store.StepHead]]:
+        step_id, attempt_id = claims[i]
+        return store.lock_job_and_record(s, job_id=job.id, step_id=step_id, owner=f"parent{i}#1",
+                                         to=StepStatus.SUCCEEDED, closing=store.AttemptEnd(attempt_id, 1),
+                                         output=f"answer {i}")
+
+    second: list[tuple[Any, bool, list[store.StepHead]]] = []
+    with session_scope() as first:
+        head, recorded, heads = record(first, 0)  # holds the job row's lock until this session commits
+        assert head is not None and head.status == "running" and recorded
+        assert [h.status for h in heads] == ["succeeded", "running", "pending"]
+
+        def other() -> None:
+            with session_scope() as s:
+                second.append(record(s, 1))
+
+        racer = threading.Thread(target=other)
+        racer.start()
+        racer.join(1.0)
+        assert racer.is_alive() and second == []  # waiting on the lock, its record not yet run
+    racer.join(30)
+    (_, recorded, heads), = second
+    assert recorded and [h.status for h in heads] == ["succeeded", "succeeded", "pending"]
+
+
+def transaction_claim(job_id: str, index: int, owner: str) -> tuple[int, int]:
+    with session_scope() as s:
+        claim = store.claim_step_row(s, job_id=job_id, index=index, owner=owner, lease_s=60.0, task_id=None,
+                                     count_attempt=True, open_below=4)
+    assert claim is not None and claim.attempt_id is not None
+    return claim.step_id, claim.attempt_id
+
+
+def test_marking_with_the_commit_ends_the_transaction_at_once() -> None:
+    settings = get_settings()
+    job_id = new_chain(2)
+    plan_job(job_id, settings=settings)
+    run_step(job_id, 0, worker="w", task_id=None, settings=settings)
+    with session_scope() as s:
+        store.update_step(s, step_id=_step_id(job_id, 1), status=StepStatus.PENDING, queued_at=None)
+    with session_scope() as holder:
+        assert store.lock_job(holder, job_id=job_id) is not None
+        assert store.mark_steps_queued(holder, job_id=job_id, indices=[1], commit=True) == [1]
+        with session_scope() as other:  # before the holder's session ends: committed, the lock released
+            other.execute(sa.text("SET LOCAL lock_timeout = '2s'"))  # held still, this fails instead of hanging
+            assert store.lock_job(other, job_id=job_id) is not None
+            step = store.get_step(other, job_id=job_id, index=1)
+            assert step is not None and step.status == StepStatus.QUEUED
+
+
+def _step_id(job_id: str, index: int) -> int:
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=index)
+    assert step is not None and step.id is not None
+    return step.id
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
