@@ -236,3 +236,17 @@ def test_planning_is_three_statements_and_inserts_its_roots_queued(statements: l
     assert [(st.status, st.queued_at is not None) for st in steps] == [("queued", True), ("queued", True),
                                                                        ("pending", False)]
 
+
+
+def test_sending_a_dispatch_whose_step_was_claimed_for_the_slot_says_it_was_not_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from conductor.tasks.send import send
+
+    settings = get_settings()
+    job_id = new_chain(1)
+    due = plan_job(job_id, settings=settings, take=taker())
+    assert due.taken is not None
+    send(due)  # a caller that does not run it: nothing is published, and the log says what happens next
+    assert f"step {job_id}/0 was claimed for this slot but is not run by it" in caplog.text
+    assert "re-runs when its lease expires" in caplog.text
