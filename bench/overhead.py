@@ -5,11 +5,17 @@ on LangGraph with its Postgres checkpointer (a durable peer), side by side in on
 A hop is from the moment a step could run (its last dependency finished; for a root, the plan) to
 the step's finish, from server-side timestamps (``step.finished_at``, ``job.planned_at``); "e2e" is
 ``job.finished_at - job.created_at`` (planning included). Jobs run one at a time, so nothing queues.
+
+"CPU/job" is what each orchestrator's own process spent per job of a shape (user + system, from
+``/proc``): Conductor Queue's worker, the no-op Celery worker (its result backend's chord bookkeeping
+included), and the benchmark's process for LangGraph, which runs in it. Postgres and Redis are not
+counted for any of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -17,9 +23,11 @@ from bench import peers
 from bench.env import (
     SHAPES,
     Result,
+    cpu_seconds,
     job_times,
     ms,
     pct,
+    process_tree,
     random_dags,
     services,
     step_hops,
@@ -50,31 +58,35 @@ def run(args: argparse.Namespace) -> Result:
     graph: dict[str, Any] = {}
     missing = peers.langgraph_available()
     if args.peers:
-        with peers.celery_worker() as _:
+        with peers.celery_worker() as noop:
             for name, dags in shapes.items():
-                celery[name] = _peer(lambda deps, name=name: peers.celery_hops(name, deps), dags)
+                celery[name] = _peer(lambda deps, name=name: peers.celery_hops(name, deps), dags,
+                                     pids=process_tree([noop.pid]))
         if missing is None:
             with peers.langgraph_saver() as saver:
                 runs = iter(range(10**9))
                 for name, dags in shapes.items():
                     graph[name] = _peer(
                         lambda deps, name=name: peers.langgraph_hops(saver, deps, f"{name}-{next(runs)}-{time.time()}"),
-                        dags)
+                        dags, pids=[os.getpid()])
     rows = []
     for name in shapes:
         c = conductor[name]
         rows.append([name, len(shapes[name][0]) if name != "random≤5" else "1-5",
                      c["hop"]["p50_ms"], c["hop"]["p99_ms"], c["e2e"]["p50_ms"], c["e2e"]["p99_ms"],
                      brokered[name]["hop"]["p50_ms"], brokered[name]["e2e"]["p50_ms"],
-                     *_cells(floor[name]), *_cells(celery.get(name)), *_cells(graph.get(name))])
+                     c["cpu_ms_per_job"], brokered[name]["cpu_ms_per_job"],
+                     *_cells(floor[name]), *_cells(celery.get(name), cpu=True), *_cells(graph.get(name), cpu=True)])
     headers = ["shape", "steps", "CQ hop p50 ms", "CQ hop p99 ms", "CQ e2e p50 ms", "CQ e2e p99 ms",
-               "CQ brokered hop p50", "CQ brokered e2e p50",
-               "asyncio hop p50", "asyncio e2e p50", "Celery hop p50", "Celery e2e p50",
-               "LangGraph hop p50", "LangGraph e2e p50"]
+               "CQ brokered hop p50", "CQ brokered e2e p50", "CQ CPU/job ms", "CQ brokered CPU/job",
+               "asyncio hop p50", "asyncio e2e p50", "Celery hop p50", "Celery e2e p50", "Celery CPU/job",
+               "LangGraph hop p50", "LangGraph e2e p50", "LangGraph CPU/job"]
     notes = [f"{repeat} runs per shape; worker pool `{args.pool}` x{args.concurrency}; jobs run one at a time, "
-             "after one warm-up job of each shape (not counted).",
+             "after one warm-up job of each shape (not counted), on every orchestrator.",
              "CQ: a worker runs one step its step made ready itself (the default); CQ brokered: every ready step "
-             "goes through the broker (`CONDUCTOR_WORKER_CONTINUE_STEPS=false`)."]
+             "goes through the broker (`CONDUCTOR_WORKER_CONTINUE_STEPS=false`).",
+             "CPU/job: the orchestrator's own process per job (the worker; Celery's no-op worker; the benchmark's "
+             "process for LangGraph), Postgres and Redis not counted."]
     if not args.peers:
         notes.append("Peers not run (`--no-peers`).")
     elif missing:
@@ -89,12 +101,14 @@ def run(args: argparse.Namespace) -> Result:
 def _conductor(shapes: dict[str, list[list[list[int]]]], args: argparse.Namespace,
                env: dict[str, str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    with services(api=False, pool=args.pool, concurrency=args.concurrency, code=args.code, extra_env=env):
+    with services(api=False, pool=args.pool, concurrency=args.concurrency, code=args.code, extra_env=env) as svc:
         for dags in shapes.values():  # warm the worker (imports, connections, each shape's statements)
             wait_done(submit_direct([workflow(dags[0])], "bench0"), timeout=120)
+        pids = process_tree(svc.worker_pids)
         for name, dags in shapes.items():
             hops: list[float] = []
             e2e: list[float] = []
+            cpu0 = cpu_seconds(pids)
             for deps in dags:
                 ids = submit_direct([workflow(deps)], "bench0")
                 wait_done(ids, timeout=120)
@@ -103,26 +117,37 @@ def _conductor(shapes: dict[str, list[list[list[int]]]], args: argparse.Namespac
                 hops += step_hops(job)
                 assert job.finished is not None
                 e2e.append(job.finished - job.created)
-            out[name] = {"hop": summary(hops), "e2e": summary(e2e)}
+            out[name] = {"hop": summary(hops), "e2e": summary(e2e), "cpu_ms_per_job": _per_job(cpu0, pids, dags)}
     return out
 
 
-def _peer(fn: Any, dags: list[list[list[int]]]) -> dict[str, Any] | None:
+def _peer(fn: Any, dags: list[list[list[int]]], pids: list[int] | None = None) -> dict[str, Any] | None:
     hops: list[float] = []
     e2e: list[float] = []
+    if fn(dags[0]) is None:  # a warm-up run, not counted (as for Conductor Queue): imports, connections
+        return None
+    cpu0 = cpu_seconds(pids or [])
     for deps in dags:
         out = fn(deps)
         if out is None:
             return None
         hops += out[0]
         e2e.append(out[1])
-    return {"hop": summary(hops), "e2e": summary(e2e)}
+    result: dict[str, Any] = {"hop": summary(hops), "e2e": summary(e2e)}
+    if pids:
+        result["cpu_ms_per_job"] = _per_job(cpu0, pids, dags)
+    return result
 
 
-def _cells(peer: dict[str, Any] | None) -> list[Any]:
+def _per_job(cpu0: float, pids: list[int], dags: list[list[list[int]]]) -> float:
+    """CPU milliseconds per job since ``cpu0`` (``/proc`` counts in clock ticks, 10 ms: a mean over many jobs)."""
+    return round((cpu_seconds(pids) - cpu0) * 1000 / max(len(dags), 1), 2)
+
+
+def _cells(peer: dict[str, Any] | None, *, cpu: bool = False) -> list[Any]:
     if not peer:
-        return ["—", "—"]
-    return [peer["hop"]["p50_ms"], peer["e2e"]["p50_ms"]]
+        return ["—"] * (3 if cpu else 2)
+    return [peer["hop"]["p50_ms"], peer["e2e"]["p50_ms"], *([peer.get("cpu_ms_per_job", "—")] if cpu else [])]
 
 
 def _command(args: argparse.Namespace) -> str:

@@ -57,7 +57,8 @@ def asyncio_hops(deps: Sequence[Sequence[int]]) -> tuple[list[float], float]:
 
 @contextmanager
 def celery_worker(concurrency: int = 8) -> Iterator[Any]:
-    """A worker of the no-op app (``bench.celery_noop``) on the benchmarks' broker."""
+    """A worker of the no-op app (``bench.celery_noop``) on the benchmarks' broker: yields the app and the
+    worker's process id."""
     from bench.celery_noop import app
     from tests.integration.harness import Proc
 
@@ -70,10 +71,18 @@ def celery_worker(concurrency: int = 8) -> Iterator[Any]:
         while not app.control.ping(timeout=0.5):
             if time.monotonic() > deadline or proc.popen.poll() is not None:
                 raise RuntimeError(f"no-op worker not ready:\n{proc.tail()}")
-        yield app
+        yield _Worker(app, proc.popen.pid)
     finally:
         _release_results(app)
         proc.stop()
+
+
+class _Worker:
+    """The no-op app, and its worker's process id (for its CPU time)."""
+
+    def __init__(self, app: Any, pid: int):
+        self.app = app
+        self.pid = pid
 
 
 def _release_results(app: Any) -> None:

@@ -47,5 +47,8 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
     if name == "api":
         assert data["runs"] and all({"latency", "accepted", "errors", "api_cpu_ms_per_request"} <= set(run)
                                     for run in data["runs"])
+    if name == "overhead":  # CPU per job, for each shape, from the orchestrators' own processes
+        assert all(isinstance(shape["cpu_ms_per_job"], float) and shape["cpu_ms_per_job"] >= 0
+                   for run in ("conductor", "conductor_brokered") for shape in data[run].values())
     if name in ("throughput", "concurrency", "makespan"):
         assert data.get("failed", 0) == 0 and data.get("succeeded", 1) > 0
