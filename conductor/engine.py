@@ -569,7 +569,7 @@ def _record_success(
             if _finalize(s, head, steps, answer):
                 ended.append(job_id)
                 parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
-            return Dispatch(webhooks=_webhooks_owed(s, job_id) if ended else [])
+            return Dispatch(webhooks=_webhooks_owed(s, job_id, head) if ended else [])
         return _dispatch_ready(s, job_id, steps, taker[0])
 
     try:
@@ -663,7 +663,7 @@ def advance(job_id: str) -> Dispatch:
             if _finalize(s, head, steps, answer):
                 ended.append(job_id)
                 parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
-            return Dispatch(webhooks=_webhooks_owed(s, job_id) if ended else [])
+            return Dispatch(webhooks=_webhooks_owed(s, job_id, head) if ended else [])
         return _dispatch_ready(s, job_id, steps)
 
     outcome = transaction(decide)
@@ -759,8 +759,11 @@ class _StepUsage(Protocol):
     def cost_usd(self) -> float: ...
 
 
-def _webhooks_owed(s: Session, job_id: str) -> list[str]:
-    """In the transaction that ended the job: the webhook delivery it is owed (an outbox row)."""
+def _webhooks_owed(s: Session, job_id: str, head: store.JobHead | None = None) -> list[str]:
+    """In the transaction that ended the job: the webhook delivery it is owed (an outbox row). With the
+    job's ``head`` (read under its lock) a job without a webhook URL skips the insert."""
+    if head is not None and not head.has_webhook:
+        return []
     delivery = webhook_store.record_job_end(s, job_id=job_id)
     return [delivery] if delivery else []
 

@@ -724,6 +724,9 @@ class JobHead:
     planner_output_tokens: int
     planner_cost_usd: float
     planner_calls: int
+    has_webhook: bool = True
+    """Whether the job has a webhook URL (set at creation, never changed): without one, its end owes no
+    delivery and the outbox insert is skipped."""
 
 
 def lock_job(session: Session, *, job_id: str) -> JobHead | None:
@@ -739,7 +742,8 @@ def lock_job(session: Session, *, job_id: str) -> JobHead | None:
 def _lock_job_stmt() -> sa.Select[Any]:
     j = JOB
     return (sa.select(j.c.id, j.c.status, j.c.created_at, j.c.parent_job_id, j.c.parent_step_index,
-                      j.c.planner_input_tokens, j.c.planner_output_tokens, j.c.planner_cost_usd, j.c.planner_calls)
+                      j.c.planner_input_tokens, j.c.planner_output_tokens, j.c.planner_cost_usd, j.c.planner_calls,
+                      j.c.webhook_url.is_not(None).label("has_webhook"))
             .where(j.c.id == sa.bindparam("p_job_id")).with_for_update())
 
 

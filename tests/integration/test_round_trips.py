@@ -250,3 +250,18 @@ def test_sending_a_dispatch_whose_step_was_claimed_for_the_slot_says_it_was_not_
     send(due)  # a caller that does not run it: nothing is published, and the log says what happens next
     assert f"step {job_id}/0 was claimed for this slot but is not run by it" in caplog.text
     assert "re-runs when its lease expires" in caplog.text
+
+
+def test_the_end_of_a_job_without_a_webhook_writes_no_outbox_row(statements: list[str]) -> None:
+    settings = get_settings()
+    job_id = new_chain(1)
+    plan_job(job_id, settings=settings)
+    statements.clear()
+
+    ended = run_step(job_id, 0, worker="w", task_id=None, settings=settings)  # the last step: finalizes inline
+
+    assert ended.webhooks == []
+    assert not [st for st in statements if "webhook_delivery" in st], statements  # not even a conditional insert
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None and job.status == "succeeded" and job.webhook_url is None
