@@ -589,6 +589,8 @@ def _record_success(
 
 
 def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead], take: Taker | None = None) -> Dispatch:
+    """Marks the steps that became ready and names them (claiming one for ``take``). The caller's last
+    statement: unless a step is claimed, the transaction is committed with the marking."""
     done = [st.index for st in steps if st.status == StepStatus.SUCCEEDED]
     started = [st.index for st in steps if st.status != StepStatus.PENDING]
     ready = ready_steps([st.access_list for st in steps], done=done, started=started)
