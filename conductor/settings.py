@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     runs again), though a client may have already read a result that is then re-computed."""
     worker_task_events: bool = True
     """Celery task events from workers (what Flower shows); off trades that view for throughput."""
+    worker_events_flush_s: float = Field(default=0.05, gt=0, le=5)
+    """A worker publishes the task events it buffered once per this interval, in one message, instead of
+    one message per event (``conductor.tasks.app.BatchedTaskEvents``): Flower shows them at most this late."""
     task_sent_events: bool = False
     """A ``task-sent`` event per message published (the API's plan messages, a worker's step messages), so
     Flower lists a task while it still waits in the queue. Off by default: each is one more broker publish
@@ -86,8 +89,8 @@ class Settings(BaseSettings):
     worker_continue_steps: bool = True
     """A step worker runs one of the steps its step made ready itself, in the same task slot, instead of
     sending it through the broker and waiting for a worker to take it (the rest are sent as usual). It
-    removes the broker round trip from every dependent hop; a crash in between is recovered like a lost
-    message (the step is ``queued`` in Postgres, and the reconciler re-sends it)."""
+    removes the broker round trip from every dependent hop, and the step is claimed in the transaction that
+    made it ready; a crash after that is recovered like any other (the step's lease expires and it re-runs)."""
     worker_pool: Literal["threads", "prefork", "solo", "gevent"] = "threads"
     """``conductor worker``'s default Celery pool (``--pool`` overrides it)."""
     planning_stale_s: float = Field(default=60.0, gt=0)

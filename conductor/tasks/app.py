@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from celery import Celery
+from celery import Celery, bootsteps
 from celery.signals import worker_init, worker_ready
 from kombu import Queue
 
@@ -136,9 +137,44 @@ def _log_db_pool(**_: object) -> None:
                  kept, _sized_for[-1], overflow)
 
 
+class BatchedTaskEvents(bootsteps.StartStopStep):
+    """Publishes the worker's task events in one message per ``Settings.worker_events_flush_s`` (50 ms)
+    instead of one per event. Celery buffers task events (``task-received``, ``-started``, ``-succeeded``:
+    three per task) but schedules a flush on the next turn of its event loop for each, so a worker that is
+    not saturated published each alone: a Redis ``PUBLISH`` and kombu's message around it, about a third
+    of a 1-step job's worker CPU (docs/benchmarks.md). Flower shows them at most that much later; Celery
+    still flushes at once when 24 are buffered. Started after Celery's ``Events`` step (so after each new
+    dispatcher, on reconnection too) and stopped before it, publishing what is left."""
+
+    requires = ("celery.worker.consumer.events:Events",)
+
+    def start(self, c: Any) -> None:
+        dispatcher = c.event_dispatcher
+        if c.hub is None or dispatcher is None:
+            return  # no event loop (a green pool): Celery publishes each event itself, unbuffered
+        dispatcher.on_send_buffered = None  # no flush per event; the timer publishes them
+        self._cancel(c)
+        c._conductor_events_timer = c.hub.call_repeatedly(get_settings().worker_events_flush_s, c._flush_events)
+
+    def stop(self, c: Any) -> None:
+        self._cancel(c)
+        if c.event_dispatcher is not None:
+            c._flush_events()
+
+    shutdown = stop
+
+    @staticmethod
+    def _cancel(c: Any) -> None:
+        timer = getattr(c, "_conductor_events_timer", None)
+        if timer is not None:
+            timer.cancel()
+            c._conductor_events_timer = None
+
+
 def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("conductor", include=["conductor.tasks.jobs", "conductor.tasks.webhooks"])
     app.conf.update(celery_config(settings or get_settings()))
+    app.steps["consumer"].add(BatchedTaskEvents)
     return app
 
 
