@@ -87,9 +87,9 @@ def celery_config(settings: Settings) -> dict[str, object]:
         # fires inside a legitimate retry loop. Every wait in a step is bounded by the engine itself
         # (provider timeout, rate-limit wait, retry policy, the job's deadline), and a step past
         # ``Settings.step_max_duration_s`` loses its lease (conductor/lease.py): one story on any pool.
-        # Task events (3 publishes per task, from the worker's one consumer thread) are what Flower shows;
-        # off, a busy worker takes about twice the steps/s (docs/benchmarks.md), and a running Flower
-        # switches them on again every few seconds.
+        # Task events (3 per task, published in batches by ``BatchedTaskEvents`` below) are what Flower
+        # shows; off, a busy worker takes more steps/s (docs/benchmarks.md), and a running Flower switches
+        # them on again every few seconds.
         "worker_send_task_events": settings.worker_task_events,
         "task_send_sent_event": settings.task_sent_events,
         "beat_schedule": {
