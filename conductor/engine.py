@@ -76,6 +76,9 @@ class Dispatch:
     taken: Taken | None = None
     """A ready step already claimed for the worker that asked (``Taker``): no message; that worker runs
     it next (``run_taken``). Only an outcome given a ``Taker`` sets it."""
+    alongside: list[Taken] = field(default_factory=list)
+    """More ready steps claimed for that worker with ``taken`` (up to ``Taker.spare()``): no messages;
+    it runs them at once beside ``taken``, on its process's local slots."""
 
     def __iadd__(self, other: Dispatch) -> Dispatch:
         if self.taken is not None and other.taken is not None:
@@ -86,10 +89,11 @@ class Dispatch:
         self.agents.update(other.agents)
         self.webhooks += other.webhooks
         self.taken = self.taken or other.taken
+        self.alongside += other.alongside
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.plan or self.steps or self.finalize or self.webhooks or self.taken)
+        return bool(self.plan or self.steps or self.finalize or self.webhooks or self.taken or self.alongside)
 
 
 @dataclass(frozen=True)
@@ -97,12 +101,18 @@ class Taker:
     """A worker slot that will run one of the steps an outcome makes ready. That step is claimed in the
     outcome's own transaction, which holds the job row's lock already: one transaction (and one ``COMMIT``,
     the WAL flush) fewer per hop of a chain. ``runs(job_id, index, agent)`` says whether this worker takes
-    such a step at all (a queue it consumes)."""
+    such a step at all (a queue it consumes); ``spare()`` how many more of the steps that became ready
+    together it can start at once beside that one (its process's free local slots): those are claimed in
+    the same transaction too (``Dispatch.alongside``) instead of a message and a claim transaction each."""
 
     worker: str
     task_id: str | None
     settings: Settings
     runs: Callable[[str, int, str], bool]
+    spare: Callable[[], int] = field(default=lambda: 0)
+    beside: str | None = None
+    """The worker name the steps claimed to run beside are recorded under (their thread is not known at
+    the claim); ``worker`` when None."""
 
 
 @dataclass(frozen=True)
@@ -184,9 +194,11 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
             rows[i].update(status=StepStatus.QUEUED, queued_at=now)
         store.insert_steps(s, steps=rows)
         agents = {i: wf.steps[i].agent for i in roots}
-        taken = _take(s, job_id, roots, agents, taker[0]) if taker[0] is not None else None
-        sent = [i for i in roots if taken is None or i != taken.index]
-        return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agents[i] for i in sent}, taken=taken)
+        taken, alongside = _take(s, job_id, roots, agents, taker[0]) if taker[0] is not None else (None, [])
+        claimed = {t.index for t in alongside} | ({taken.index} if taken is not None else set())
+        sent = [i for i in roots if i not in claimed]
+        return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agents[i] for i in sent}, taken=taken,
+                        alongside=alongside)
 
     try:
         dispatch = transaction(record)
@@ -599,32 +611,41 @@ def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead], take: 
     # The marking is the transaction's last statement unless a step is claimed after it: its COMMIT then
     # goes in the same round trip (the caller's own commit finds nothing left to do).
     won = store.mark_steps_queued(s, job_id=job_id, indices=ready, commit=not takes)
-    taken = _take(s, job_id, won, agent, take) if take is not None and takes else None
-    sent = [i for i in won if taken is None or i != taken.index]
-    return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agent[i] for i in sent}, taken=taken)
+    taken, alongside = _take(s, job_id, won, agent, take) if take is not None and takes else (None, [])
+    claimed = {t.index for t in alongside} | ({taken.index} if taken is not None else set())
+    sent = [i for i in won if i not in claimed]
+    return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agent[i] for i in sent}, taken=taken,
+                    alongside=alongside)
 
 
 def _takes(take: Taker, job_id: str, index: int, agent: str) -> bool:
     return agent != CONDUCTOR_AGENT and take.runs(job_id, index, agent)
 
 
-def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str], take: Taker) -> Taken | None:
-    """Claims the first of ``ready`` that ``take`` runs, in the caller's transaction (``_claim``, as the
-    step's own claim transaction would). A nested conductor step is left to its own claim: it starts a
-    child job. A step that cannot be claimed here is simply sent."""
-    for i in ready:
-        if not _takes(take, job_id, i, agents[i]):
-            continue
+def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str],
+          take: Taker) -> tuple[Taken | None, list[Taken]]:
+    """Claims the first of ``ready`` that ``take`` runs, and up to ``take.spare()`` more to run beside it,
+    in the caller's transaction (``_claim``, as each step's own claim transaction would). A nested
+    conductor step is left to its own claim: it starts a child job. A step that cannot be claimed here is
+    simply sent."""
+    mine = [i for i in ready if _takes(take, job_id, i, agents[i])]
+    if not mine:
+        return None, []
+    if len(mine) > 1:
+        mine = mine[:1 + max(0, take.spare())]
+    claims: list[Taken] = []
+    for i in mine:
+        worker = take.worker if not claims else take.beside or take.worker
         try:
-            claimed = _claim(s, job_id, i, owner=_owner(take.worker), task_id=take.task_id, settings=take.settings)
+            claimed = _claim(s, job_id, i, owner=_owner(worker), task_id=take.task_id, settings=take.settings)
         except (OperationalError, InterfaceError):
             raise  # the database is away: the whole outcome is retried or left to the reconciler, as before
         except Exception as exc:
             raise _TakeFailed from exc
         if isinstance(claimed, Dispatch):
-            return None
-        return Taken(job_id, i, agents[i], claimed)
-    return None
+            break  # the job is no longer running (or the step is not due): send the rest, which finds out
+        claims.append(Taken(job_id, i, agents[i], claimed))
+    return (claims[0], claims[1:]) if claims else (None, [])
 
 
 def _finalize(s: Session, head: store.JobHead, steps: list[store.StepHead], answer: str | None) -> bool:

@@ -91,6 +91,13 @@ class Settings(BaseSettings):
     sending it through the broker and waiting for a worker to take it (the rest are sent as usual). It
     removes the broker round trip from every dependent hop, and the step is claimed in the transaction that
     made it ready; a crash after that is recovered like any other (the step's lease expires and it re-runs)."""
+    worker_local_slots: int = Field(default=16, ge=0, le=10_000)
+    """Steps a worker process runs beside its Celery pool's slots: when a plan or an outcome makes several
+    steps ready at once (a fan-out's roots, a step's dependents), the one its task continues with and up
+    to this many more (free slots only) are claimed in the same transaction and run at once in this
+    process, instead of a broker message and a claim transaction each; the task that claimed them ends
+    when they have (warm shutdown waits for them). 0 sends them through the broker. Needs
+    ``worker_continue_steps``."""
     worker_pool: Literal["threads", "prefork", "solo", "gevent"] = "threads"
     """``conductor worker``'s default Celery pool (``--pool`` overrides it)."""
     planning_stale_s: float = Field(default=60.0, gt=0)

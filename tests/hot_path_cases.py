@@ -25,10 +25,19 @@ def new_chain(steps: int, agent: str = "a", **extra: Any) -> str:
         return job.id
 
 
-def taker(runs: bool = True) -> Taker:
-    """A worker slot that takes every step of agent ``a`` (or, with ``runs=False``, none)."""
+def new_dag(access_lists: list[list[int]], agent: str = "a") -> str:
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "round trips", "workflow": {
+            "model_ids": [agent] * len(access_lists), "subtasks": [f"part {i}" for i in range(len(access_lists))],
+            "access_lists": access_lists}}), tenant="trips", settings=get_settings())
+        return job.id
+
+
+def taker(runs: bool = True, spare: int = 0) -> Taker:
+    """A worker slot that takes every step of agent ``a`` (or, with ``runs=False``, none), with ``spare``
+    local slots for steps beside it."""
     return Taker(worker="taker", task_id="task-1", settings=get_settings(),
-                 runs=lambda _job, _index, agent: runs and agent == "a")
+                 runs=lambda _job, _index, agent: runs and agent == "a", spare=lambda: spare, beside="side")
 
 
 def the_read_returns_what_the_separate_outputs_query_returns() -> None:
@@ -204,6 +213,46 @@ def a_step_refused_at_its_taking_fails_the_job_when_run() -> None:
     assert second is not None and second.status == StepStatus.FAILED and second.attempts == 0
 
 
+def parallel_steps_are_claimed_for_the_takers_spare_slots_and_the_rest_sent() -> None:
+    settings = get_settings()
+    job_id = new_dag([[], [], [], [], [0, 1, 2, 3]])  # a fan-out of four roots and their aggregator
+    due = plan_job(job_id, settings=settings, take=taker(spare=2))
+    assert due.taken is not None and [t.index for t in due.alongside] == [1, 2]
+    assert due.steps == [(job_id, 3)]  # no spare slot left for it: sent, and still queued
+    with session_scope() as s:
+        steps = store.get_steps(s, job_id=job_id)
+    assert [st.status for st in steps] == [StepStatus.RUNNING] * 3 + [StepStatus.QUEUED, StepStatus.PENDING]
+    assert {st.celery_task_id for st in steps[:3]} == {"task-1"} and steps[3].lease_owner is None
+    assert len({st.lease_owner for st in steps[:3]}) == 3  # a claim each: each outcome is fenced by its own
+    assert [(st.lease_owner or "").split("#")[0] for st in steps[:3]] == ["taker", "side", "side"]
+
+    take = taker(spare=2)
+    for claimed in (due.taken, *due.alongside):
+        assert not run_taken(claimed, settings=settings, take=take)  # the aggregator waits for step 3
+    due = run_step(job_id, 3, worker="w", task_id=None, settings=settings, take=take)
+    assert due.taken is not None and due.taken.index == 4 and due.alongside == [] and due.steps == []
+    assert not run_taken(due.taken, settings=settings, take=take)
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        steps = store.get_steps(s, job_id=job_id)
+    assert job is not None and job.status == JobStatus.SUCCEEDED
+    assert [(st.status, st.attempts) for st in steps] == [(StepStatus.SUCCEEDED, 1)] * 5
+    assert [m["content"] for m in steps[4].messages or []][-1] == "part 4"
+
+    job_id = new_dag([[], [0], [0], [1, 2]])  # a diamond: the root's outcome makes two steps ready
+    due = plan_job(job_id, settings=settings, take=taker(spare=3))
+    assert due.taken is not None and due.alongside == []  # one root
+    due = run_taken(due.taken, settings=settings, take=taker(spare=3))
+    assert due.taken is not None and [t.index for t in due.alongside] == [2] and due.steps == []
+    assert not run_taken(due.alongside[0], settings=settings, take=taker(spare=3))
+    last = run_taken(due.taken, settings=settings, take=taker(spare=3))
+    assert last.taken is not None and last.taken.index == 3
+    run_taken(last.taken, settings=settings)
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+    assert job is not None and job.status == JobStatus.SUCCEEDED
+
+
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
@@ -212,4 +261,5 @@ CASES = (
     an_outcome_claims_the_step_it_made_ready_for_its_taker,
     a_taker_that_does_not_run_the_step_leaves_it_to_be_sent,
     a_step_refused_at_its_taking_fails_the_job_when_run,
+    parallel_steps_are_claimed_for_the_takers_spare_slots_and_the_rest_sent,
 )

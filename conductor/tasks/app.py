@@ -119,6 +119,9 @@ def _size_db_pool(sender: object = None, **_: object) -> None:
     slots = getattr(sender, "concurrency", None)
     if not isinstance(slots, int):
         return
+    settings = get_settings()
+    if settings.worker_continue_steps:  # the local slots that run parallel steps beside the tasks
+        slots += settings.worker_local_slots
     expect_concurrent_users(slots + WORKER_OWN_DB_USERS)
     _sized_for.append(slots)
 

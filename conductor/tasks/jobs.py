@@ -5,84 +5,131 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
 
-from conductor.engine import Dispatch, Taker, finalize_job, plan_job, run_step, run_taken
+from conductor.engine import Dispatch, Taken, Taker, finalize_job, plan_job, run_step, run_taken
 from conductor.settings import Settings, get_settings
+from conductor.tasks.alongside import THREAD_PREFIX, local_slots
 from conductor.tasks.app import FINALIZE_TASK, PLAN_TASK, RECONCILE_TASK, RUN_STEP_TASK, STEPS_QUEUE, app
 from conductor.tasks.send import send, step_label
 
 log = logging.getLogger(__name__)
 
 
-def _worker_name(task: Task) -> str:
-    hostname = task.request.hostname or socket.gethostname()
-    return f"{hostname}/{threading.current_thread().name}"[:128]
+@dataclass(frozen=True)
+class _Slot:
+    """What a task's run needs of its Celery request, read once in the task's own thread: the threads
+    that run steps beside it (``conductor.tasks.alongside``) cannot read ``task.request``, a thread-local."""
+
+    hostname: str
+    task_id: str | None
+    consumed: frozenset[str]
+    """The queues this worker takes messages from (``-Q``; every declared queue when not narrowed)."""
+
+    @classmethod
+    def of(cls, task: Task) -> _Slot:
+        return cls(task.request.hostname or socket.gethostname(), task.request.id,
+                   frozenset(task.app.amqp.queues.consume_from))
+
+    def worker(self) -> str:
+        return f"{self.hostname}/{threading.current_thread().name}"[:128]
+
+    def taker(self, settings: Settings) -> Taker | None:
+        """This slot, for an outcome to claim the steps it makes ready whose queues this worker consumes,
+        in its own transaction: one to run here, and as many to run beside it as the process has local
+        slots free; None when ``worker_continue_steps`` is off."""
+        if not settings.worker_continue_steps:
+            return None
+        queues, consumed = settings.step_queues, self.consumed
+        return Taker(worker=self.worker(), task_id=self.task_id, settings=settings,
+                     runs=lambda _job, _index, agent: queues.get(agent, STEPS_QUEUE) in consumed,
+                     spare=local_slots(settings.worker_local_slots).spare, beside=f"{self.hostname}/{THREAD_PREFIX}")
 
 
 @app.task(name=PLAN_TASK, bind=True)
 def plan(self: Task, job_id: str) -> None:
     settings = get_settings()
-    take = _taker(self, settings)
-    _run_on(self, plan_job(job_id, settings=settings, take=take), take)
+    slot = _Slot.of(self)
+    take = slot.taker(settings)
+    _run_on(slot, plan_job(job_id, settings=settings, take=take), take)
 
 
 @app.task(name=RUN_STEP_TASK, bind=True)
 def run_step_task(self: Task, job_id: str, index: int) -> None:
     settings = get_settings()
-    take = _taker(self, settings)
-    _run_on(self, run_step(job_id, index, worker=_worker_name(self), task_id=self.request.id, settings=settings,
+    slot = _Slot.of(self)
+    take = slot.taker(settings)
+    _run_on(slot, run_step(job_id, index, worker=slot.worker(), task_id=slot.task_id, settings=settings,
                            take=take), take)
 
 
-def _taker(task: Task, settings: Settings) -> Taker | None:
-    """This task's slot, for an outcome to claim one of the steps it makes ready (a step whose queue this
-    worker consumes) in its own transaction; None when ``worker_continue_steps`` is off."""
-    if not settings.worker_continue_steps:
-        return None
-    consumed = _consumed_queues(task)
-    queues = settings.step_queues
-    return Taker(worker=_worker_name(task), task_id=task.request.id, settings=settings,
-                 runs=lambda _job, _index, agent: queues.get(agent, STEPS_QUEUE) in consumed)
+def _run_on(slot: _Slot, due: Dispatch, take: Taker | None = None) -> None:
+    """Sends what ``due`` names, except the ready steps this worker runs itself: one runs here, in this
+    task's slot, and so on down the chain (``Settings.worker_continue_steps``); steps claimed beside it
+    (``due.alongside``) start at once on the process's local slots, and the task ends when they have.
+    Everything else is sent first, so parallel steps still start at once on any worker. A step the
+    outcome already claimed for this slot (``due.taken``) is the one run here; otherwise the first ready
+    step this worker consumes is claimed here."""
+    beside: list[Future[None]] = []
+    try:
+        _continue(slot, due, take, beside)
+    finally:
+        failed = [exc for exc in (future.exception() for future in beside) if exc is not None]
+    if failed:
+        raise failed[0]
 
 
-def _run_on(task: Task, due: Dispatch, take: Taker | None = None) -> None:
-    """Sends what ``due`` names, except one ready step this worker can run itself: that one runs here, in
-    this task's slot, and so on down the chain (``Settings.worker_continue_steps``). Its siblings are sent
-    first, so parallel steps still start at once on any worker. A step the outcome already claimed for this
-    slot (``due.taken``) is that one; otherwise the first ready step this worker consumes is claimed here."""
+def _continue(slot: _Slot, due: Dispatch, take: Taker | None, beside: list[Future[None]]) -> None:
     settings = get_settings()
-    consumed = _consumed_queues(task)
+    slots = local_slots(settings.worker_local_slots)
+    later: list[Taken] = []  # claimed to run beside, but the local slots filled up meanwhile
     while True:
         taken, due.taken = due.taken, None
+        for step in due.alongside:
+            future = slots.start(_run_beside, slot, step)
+            if future is None:
+                later.append(step)
+                continue
+            beside.append(future)
+            log.info("task %s runs %s beside it (claimed with the transaction that made it ready; no message)",
+                     slot.task_id, step_label(step.job_id, step.index, step.agent))
+        due.alongside = []
+        if taken is None and later:
+            taken = later.pop(0)
         if taken is not None:
             send(due)
             log.info("task %s continues with %s (claimed with the outcome that made it ready; no message)",
-                     task.request.id, step_label(taken.job_id, taken.index, taken.agent))
+                     slot.task_id, step_label(taken.job_id, taken.index, taken.agent))
             due = run_taken(taken, settings=settings, take=take)
             continue
-        mine = _step_to_continue(due, consumed, settings) if settings.worker_continue_steps else None
+        mine = _step_to_continue(due, slot.consumed, settings) if settings.worker_continue_steps else None
         if mine is None:
             send(due)
             return
         due.steps.remove(mine)
         send(due)
         job_id, index = mine
-        log.info("task %s continues with %s (made ready here; no message)", task.request.id,
+        log.info("task %s continues with %s (made ready here; no message)", slot.task_id,
                  step_label(job_id, index, due.agents.get(mine)))
-        take = take or _taker(task, settings)
-        due = run_step(job_id, index, worker=_worker_name(task), task_id=task.request.id, settings=settings,
-                       take=take)
+        take = take or slot.taker(settings)
+        due = run_step(job_id, index, worker=slot.worker(), task_id=slot.task_id, settings=settings, take=take)
 
 
-def _consumed_queues(task: Task) -> set[str]:
-    """The queues this worker takes messages from (``-Q``; every declared queue when not narrowed)."""
-    return set(task.app.amqp.queues.consume_from)
+def _run_beside(slot: _Slot, step: Taken) -> None:
+    """A local slot's run of a step claimed beside its task's own: that step, and the chain it continues."""
+    try:
+        _run_on(slot, Dispatch(taken=step), slot.taker(get_settings()))
+    except Exception:
+        log.exception("task %s: the run of %s beside it raised", slot.task_id,
+                      step_label(step.job_id, step.index, step.agent))
+        raise
 
 
-def _step_to_continue(due: Dispatch, consumed: set[str], settings: Settings) -> tuple[str, int] | None:
+def _step_to_continue(due: Dispatch, consumed: frozenset[str], settings: Settings) -> tuple[str, int] | None:
     """The first ready step whose queue this worker consumes: running it here is what a worker of that
     queue would do after taking its message."""
     for key in due.steps:

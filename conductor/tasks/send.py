@@ -26,10 +26,10 @@ Postgres already holds the schedule."""
 
 
 def send(dispatch: Dispatch) -> None:
-    if dispatch.taken is not None:  # a caller's bug: only the slot it was claimed for may run it
-        taken = dispatch.taken
-        log.error("step %s/%s was claimed for this slot but is not run by it; it re-runs when its lease expires",
-                  taken.job_id, taken.index)
+    for taken in [dispatch.taken, *dispatch.alongside]:  # a caller's bug: only the slot it was claimed for may run it
+        if taken is not None:
+            log.error("step %s/%s was claimed for this slot but is not run by it; it re-runs when its lease "
+                      "expires", taken.job_id, taken.index)
     for job_id in dispatch.plan:
         app.send_task(PLAN_TASK, (job_id,), argsrepr=f"job={job_id}")
         with session_scope() as s:

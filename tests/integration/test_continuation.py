@@ -33,12 +33,13 @@ def step_queues(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
         yield mapping
 
 
-def _run(agents: list[str]) -> tuple[str, list[Any], list[Any]]:
-    """A chain over ``agents``, planned here; waits until it ends. Returns its id, steps and attempts."""
+def _run(agents: list[str], access_lists: list[list[int]] | None = None) -> tuple[str, list[Any], list[Any]]:
+    """A chain over ``agents`` (or the DAG of ``access_lists``), planned here; waits until it ends.
+    Returns its id, steps and attempts."""
     settings = get_settings()
     body = {"task": "continuation", "workflow": {
         "model_ids": agents, "subtasks": [f"part {i}" for i in range(len(agents))],
-        "access_lists": [[i - 1] if i else [] for i in range(len(agents))]}}
+        "access_lists": access_lists or [[i - 1] if i else [] for i in range(len(agents))]}}
     with session_scope() as s:
         job, _ = create_job(s, JobCreate.model_validate(body), tenant="continuation", settings=settings)
     send(plan_job(job.id, settings=settings))
@@ -57,9 +58,13 @@ def _run(agents: list[str]) -> tuple[str, list[Any], list[Any]]:
     return job.id, steps, attempts
 
 
-def _worker_of(attempts: list[Any], step_id: int | None) -> str:
+def _attempt(attempts: list[Any], step_id: int | None) -> Any:
     (attempt,) = [a for a in attempts if a.step_id == step_id]
-    return str(attempt.worker).split("@")[0]
+    return attempt
+
+
+def _worker_of(attempts: list[Any], step_id: int | None) -> str:
+    return str(_attempt(attempts, step_id).worker).split("@")[0]
 
 
 def test_a_chain_runs_in_one_slot_and_a_step_of_another_queue_is_sent(
@@ -90,5 +95,37 @@ def test_switched_off_every_step_goes_through_the_broker(
         _, steps, attempts = _run(["c", "c", "c"])
         assert len({st.celery_task_id for st in steps}) == 3
         assert {_worker_of(attempts, st.id) for st in steps} == {"nocont"}
+    finally:
+        own.stop()
+
+
+FAN_OUT = [[], [0], [0], [0], [1, 2, 3]]  # step 0's outcome makes three steps ready at once
+
+
+def test_steps_made_ready_together_run_beside_the_task_on_local_slots(
+    step_queues: dict[str, str], proc_env: dict[str, str], workers: object
+) -> None:
+    env = {**proc_env, "CONDUCTOR_STEP_QUEUES": json.dumps(step_queues)}
+    own = start_worker(env, "beside", queues=QUEUE, concurrency=2)
+    try:
+        _, steps, attempts = _run(["c"] * 5, FAN_OUT)
+        assert len({st.celery_task_id for st in steps}) == 1, own.tail()  # one message ran all five
+        beside = [st.index for st in steps if "/alongside#" in _attempt(attempts, st.id).worker]
+        assert beside == [2, 3], [a.worker for a in attempts]  # step 1 continues the task; 2 and 3 beside it
+        assert {_worker_of(attempts, st.id) for st in steps} == {"beside"}
+        assert "beside it (claimed with the transaction that made it ready; no message)" in own.tail()
+    finally:
+        own.stop()
+
+
+def test_with_no_local_slots_parallel_steps_go_through_the_broker(
+    step_queues: dict[str, str], proc_env: dict[str, str], workers: object
+) -> None:
+    env = {**proc_env, "CONDUCTOR_STEP_QUEUES": json.dumps(step_queues), "CONDUCTOR_WORKER_LOCAL_SLOTS": "0"}
+    own = start_worker(env, "noslots", queues=QUEUE, concurrency=2)
+    try:
+        _, steps, attempts = _run(["c"] * 5, FAN_OUT)
+        assert len({st.celery_task_id for st in steps}) == 3  # steps 2 and 3 were sent
+        assert not any("alongside" in a.worker for a in attempts), [a.worker for a in attempts]
     finally:
         own.stop()

@@ -73,10 +73,11 @@ def test_a_pool_sized_for_its_users_keeps_every_connection_it_opened() -> None:
 
 def test_a_worker_sizes_its_pool_for_its_slots(proc_env: dict[str, str]) -> None:
     settings = get_settings()
-    slots = settings.db_pool_size + 6
-    worker = start_worker(proc_env, "poolsize", queues="maintenance", concurrency=slots)
+    slots = settings.db_pool_size + 6  # Celery's, plus 2 local slots for parallel steps (tasks/alongside.py)
+    worker = start_worker({**proc_env, "CONDUCTOR_WORKER_LOCAL_SLOTS": "2"}, "poolsize", queues="maintenance",
+                          concurrency=slots)
     try:
-        worker.wait_for_log(f"database pool: keeps {slots + 1} connections open for {slots} slots", timeout=10)
+        worker.wait_for_log(f"database pool: keeps {slots + 3} connections open for {slots + 2} slots", timeout=10)
     finally:
         worker.stop()
 
