@@ -192,13 +192,14 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         now = utcnow()
         for i in roots:  # inserted queued: no second statement to mark them
             rows[i].update(status=StepStatus.QUEUED, queued_at=now)
-        store.insert_steps(s, steps=rows)
         agents = {i: wf.steps[i].agent for i in roots}
-        taken, alongside = _take(s, job_id, roots, agents, taker[0]) if taker[0] is not None else (None, [])
-        claimed = {t.index for t in alongside} | ({taken.index} if taken is not None else set())
-        sent = [i for i in roots if i not in claimed]
-        return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agents[i] for i in sent}, taken=taken,
-                        alongside=alongside)
+        take = taker[0]
+        claims = _claim_roots(job, result, rows, _to_take(take, job_id, roots, agents), take, now) if take else []
+        ids = store.insert_steps(s, steps=rows, ids=bool(claims))
+        taken = _opened_roots(s, job, claims, ids, agents, now)
+        sent = [i for i in roots if i not in {t.index for t in taken}]
+        return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agents[i] for i in sent},
+                        taken=taken[0] if taken else None, alongside=taken[1:])
 
     try:
         dispatch = transaction(record)
@@ -210,6 +211,64 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
     if over:
         return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over[0], plan_claim=claim)
     return dispatch
+
+
+@dataclass
+class _RootClaim:
+    index: int
+    owner: str
+    rendered: _Rendered
+
+
+def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], indices: list[int], take: Taker,
+                 now: datetime) -> list[_RootClaim]:
+    """Claims a plan's roots for ``take`` before their rows are inserted: what ``_claim`` would read back
+    for each (the job, what its planner and steps spent or hold, the outputs a root may see — a replay's
+    reused steps) is in memory here, so each root is inserted ``running`` under its claim, with its
+    messages and reservation, instead of inserted ``queued`` and then read and claimed by two more
+    statements. One after another, as those claims would: each root's reservation counts against the
+    next one's budget."""
+    claims: list[_RootClaim] = []
+    limits = job.limits or {}
+    try:
+        for i in indices:
+            row = rows[i]
+            tokens = result.usage.input_tokens + result.usage.output_tokens + sum(
+                r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in rows)
+            cost = result.usage.cost_usd + sum(r["cost_usd"] + r["reserved_usd"] for r in rows)
+            unstarted = sum(r["status"] in (StepStatus.PENDING, StepStatus.QUEUED) for r in rows)
+            visible = [(rows[d]["instruction"], rows[d]["output"] or "") for d in sorted(row["access_list"])]
+            step_input = store.StepInput(
+                JobStatus.RUNNING, job.task, job.context, limits, job.pool_config or {}, job.created_at, tokens, cost,
+                row["agent"], row["instruction"], list(row["access_list"]), job.tenant, unstarted, visible)
+            rendered = _render(step_input, job.id, now)
+            owner = _owner(take.worker if not claims else take.beside or take.worker)
+            row.update(status=StepStatus.RUNNING, lease_owner=owner, started_at=now, celery_task_id=take.task_id,
+                       lease_expires_at=now + timedelta(seconds=take.settings.step_lease_s),
+                       attempts=1 if rendered.runs else 0, **rendered.values)
+            claims.append(_RootClaim(i, owner, rendered))
+    except Exception as exc:
+        raise _TakeFailed from exc
+    return claims
+
+
+def _opened_roots(s: Session, job: Job, claims: list[_RootClaim], ids: dict[int, int], agents: dict[int, str],
+                  now: datetime) -> list[Taken]:
+    """The first attempts of the roots ``_claim_roots`` claimed (one statement), as ``Taken`` steps."""
+    opened = store.open_attempts(s, attempts=[(ids[c.index], c.owner, now) for c in claims if c.rendered.runs])
+    deadline = deadline_of(job.limits or {}, job.created_at)
+    taken: list[Taken] = []
+    for c in claims:
+        step_id, r = ids[c.index], c.rendered
+        claim: _Claimed | _Refused
+        if r.refusal is not None:
+            claim = _Refused(step_id, r.refusal, c.owner, 0)
+        else:
+            assert r.config is not None  # a recursive step is never taken
+            claim = _Claimed(step_id, opened[step_id], 1, agents[c.index], r.messages, r.config, r.max_tokens,
+                             deadline, c.owner, job.tenant)
+        taken.append(Taken(job.id, c.index, agents[c.index], claim))
+    return taken
 
 
 def _plan_columns(result: PlanResult) -> dict[str, Any]:
@@ -369,24 +428,33 @@ def _internal(exc: Exception, job_id: str, index: int) -> InternalError:
     return InternalError(f"unexpected {type(exc).__name__} around the provider call; see the worker's log")
 
 
-def _claim(
-    s: Session, job_id: str, index: int, *, owner: str, task_id: str | None, settings: Settings
-) -> _Claimed | _Refused | Dispatch:
-    """The claim transaction: one read of the job and this step, one of the visible outputs, the claim
-    (``UPDATE … RETURNING``, with the step's budget reservation) and the attempt's insert. A job with a
-    budget is read again under its row lock, so its steps reserve one at a time and none spends what
-    another holds."""
-    row = store.read_step_input(s, job_id=job_id, index=index)
-    if row is not None and (row.limits.get("max_cost_usd") is not None or row.limits.get("max_tokens") is not None):
-        store.lock_job(s, job_id=job_id)
-        row = store.read_step_input(s, job_id=job_id, index=index)
-    if row is None or row.job_status != JobStatus.RUNNING:
-        return Dispatch()
+@dataclass
+class _Rendered:
+    """What claiming a step writes (``values``: its messages, model and budget reservation) and what its
+    run needs, decided from its input alone."""
+
+    recursive: bool
+    visible: list[tuple[str, str]]
+    inherited: list[Message]
+    messages: list[Message]
+    values: dict[str, Any]
+    config: AgentConfig | None
+    max_tokens: int
+    limits: dict[str, Any]
+    """A recursive step's child limits (what is left of its parent's)."""
+    refusal: BudgetExceeded | DeadlineExceeded | None
+
+    @property
+    def runs(self) -> bool:
+        """It calls its agent: an attempt is counted and opened with the claim."""
+        return self.refusal is None and not self.recursive
+
+
+def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
     visible = row.visible
     inherited = [Message(m["role"], m["content"]) for m in (row.context or [])]
     messages = worker_messages(task=row.task, visible=visible, instruction=row.instruction, inherited=inherited)
     spent = Spent(tokens=row.spent_tokens, cost_usd=row.spent_cost_usd)
-    now = utcnow()
     recursive = row.agent == CONDUCTOR_AGENT
     refusal: BudgetExceeded | DeadlineExceeded | None = None
     max_tokens = 0
@@ -411,32 +479,45 @@ def _claim(
     except (BudgetExceeded, DeadlineExceeded) as exc:
         refusal = exc
         values.update(RELEASED)
-    runs = refusal is None and not recursive
+    return _Rendered(recursive, visible, inherited, messages, values, config, max_tokens, remaining_limits, refusal)
+
+
+def _claim(
+    s: Session, job_id: str, index: int, *, owner: str, task_id: str | None, settings: Settings
+) -> _Claimed | _Refused | Dispatch:
+    """The claim transaction: one read of the job and this step, one of the visible outputs, the claim
+    (``UPDATE … RETURNING``, with the step's budget reservation) and the attempt's insert. A job with a
+    budget is read again under its row lock, so its steps reserve one at a time and none spends what
+    another holds."""
+    row = store.read_step_input(s, job_id=job_id, index=index)
+    if row is not None and (row.limits.get("max_cost_usd") is not None or row.limits.get("max_tokens") is not None):
+        store.lock_job(s, job_id=job_id)
+        row = store.read_step_input(s, job_id=job_id, index=index)
+    if row is None or row.job_status != JobStatus.RUNNING:
+        return Dispatch()
+    r = _render(row, job_id, utcnow())
     claim = store.claim_step_row(
         s, job_id=job_id, index=index, owner=owner, lease_s=settings.step_lease_s, task_id=task_id,
-        count_attempt=runs, open_below=settings.step_max_attempts, **values,
+        count_attempt=r.runs, open_below=settings.step_max_attempts, **r.values,
     )
     if claim is None:
         return Dispatch()  # finished, running under a live lease elsewhere, not due, or the job ended
     if claim.attempts:
         store.close_lost_attempts(s, step_id=claim.step_id, keep=claim.attempt_id)
-    if claim.attempts >= settings.step_max_attempts and not recursive:
+    if claim.attempts >= settings.step_max_attempts and not r.recursive:
         return _Refused(claim.step_id, StepAbandoned(
             f"the worker running this step stopped mid-call; gave up after {claim.attempts} attempts"), owner,
             claim.attempts)
-    if refusal is not None:
-        return _Refused(claim.step_id, refusal, owner, claim.attempts)
-    if recursive:
+    if r.refusal is not None:
+        return _Refused(claim.step_id, r.refusal, owner, claim.attempts)
+    if r.recursive:
         job = store.get_job(s, job_id=job_id)
         assert job is not None
-        return _start_child(s, job, claim.step_id, index, row.instruction, visible=visible, inherited=inherited,
-                            messages=messages, limits=remaining_limits)
-    assert config is not None and claim.attempt_id is not None  # opened with the claim: it runs, below the cap
-    n = claim.attempts + 1
-    attempt_id = claim.attempt_id
-    deadline = deadline_of(row.limits, row.created_at)
-    return _Claimed(claim.step_id, attempt_id, n, row.agent, messages, config, max_tokens, deadline, owner,
-                    row.tenant)
+        return _start_child(s, job, claim.step_id, index, row.instruction, visible=r.visible, inherited=r.inherited,
+                            messages=r.messages, limits=r.limits)
+    assert r.config is not None and claim.attempt_id is not None  # opened with the claim: it runs, below the cap
+    return _Claimed(claim.step_id, claim.attempt_id, claim.attempts + 1, row.agent, r.messages, r.config,
+                    r.max_tokens, deadline_of(row.limits, row.created_at), owner, row.tenant)
 
 
 _POOLS: dict[str, PoolConfig] = {}
@@ -622,19 +703,22 @@ def _takes(take: Taker, job_id: str, index: int, agent: str) -> bool:
     return agent != CONDUCTOR_AGENT and take.runs(job_id, index, agent)
 
 
+def _to_take(take: Taker | None, job_id: str, ready: list[int], agents: dict[int, str]) -> list[int]:
+    """Of ``ready``, the steps ``take`` claims: the first it runs, and up to ``take.spare()`` more."""
+    if take is None:
+        return []
+    mine = [i for i in ready if _takes(take, job_id, i, agents[i])]
+    return mine[:1 + max(0, take.spare())] if len(mine) > 1 else mine
+
+
 def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str],
           take: Taker) -> tuple[Taken | None, list[Taken]]:
     """Claims the first of ``ready`` that ``take`` runs, and up to ``take.spare()`` more to run beside it,
     in the caller's transaction (``_claim``, as each step's own claim transaction would). A nested
     conductor step is left to its own claim: it starts a child job. A step that cannot be claimed here is
     simply sent."""
-    mine = [i for i in ready if _takes(take, job_id, i, agents[i])]
-    if not mine:
-        return None, []
-    if len(mine) > 1:
-        mine = mine[:1 + max(0, take.spare())]
     claims: list[Taken] = []
-    for i in mine:
+    for i in _to_take(take, job_id, ready, agents):
         worker = take.worker if not claims else take.beside or take.worker
         try:
             claimed = _claim(s, job_id, i, owner=_owner(worker), task_id=take.task_id, settings=take.settings)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from conductor import engine
 from conductor.engine import Taker, plan_job, run_step, run_taken
 from conductor.settings import get_settings
 from conductor.store import jobs as store
@@ -25,11 +26,11 @@ def new_chain(steps: int, agent: str = "a", **extra: Any) -> str:
         return job.id
 
 
-def new_dag(access_lists: list[list[int]], agent: str = "a") -> str:
+def new_dag(access_lists: list[list[int]], agent: str = "a", **extra: Any) -> str:
     with session_scope() as s:
         job, _ = create_job(s, JobCreate.model_validate({"task": "round trips", "workflow": {
             "model_ids": [agent] * len(access_lists), "subtasks": [f"part {i}" for i in range(len(access_lists))],
-            "access_lists": access_lists}}), tenant="trips", settings=get_settings())
+            "access_lists": access_lists}, **extra}), tenant="trips", settings=get_settings())
         return job.id
 
 
@@ -253,6 +254,45 @@ def parallel_steps_are_claimed_for_the_takers_spare_slots_and_the_rest_sent() ->
     assert job is not None and job.status == JobStatus.SUCCEEDED
 
 
+def _claimed_roots(limits: dict[str, Any], with_plan: bool) -> list[tuple[Any, ...]]:
+    """A fan-out's three roots claimed with its plan (``with_plan``), or planned queued and then claimed
+    one after another by the claim a brokered step runs: what each row holds after its claim."""
+    settings = get_settings()
+    job_id = new_dag([[], [], [], [0, 1, 2]], limits=limits)
+    if with_plan:
+        due = plan_job(job_id, settings=settings, take=taker(spare=2))
+        claims = [due.taken, *due.alongside]
+        assert len(claims) == 3 and due.steps == []
+        kinds = [type(c.claim).__name__ for c in claims if c is not None]
+    else:
+        assert plan_job(job_id, settings=settings, take=taker(runs=False)).steps == [(job_id, i) for i in range(3)]
+        kinds = [type(transaction(lambda s, i=i: engine._claim(s, job_id, i, owner=f"taker#{i}", task_id="task-1",
+                                                                settings=settings))).__name__ for i in range(3)]
+    with session_scope() as s:
+        steps = store.get_steps(s, job_id=job_id)
+        attempts = store.get_attempts(s, step_ids=[st.id for st in steps if st.id is not None])
+    return [(kinds[st.index], st.status, st.attempts, st.messages, st.provider, st.model, st.reserved_tokens,
+             round(st.reserved_usd, 9), st.celery_task_id, [a.n for a in attempts if a.step_id == st.id])
+            for st in steps[:3]]
+
+
+def roots_claimed_with_the_plan_are_what_their_own_claims_would_write() -> None:
+    free = _claimed_roots({}, with_plan=True)
+    assert free == _claimed_roots({}, with_plan=False)
+    assert [row[:3] for row in free] == [("_Claimed", StepStatus.RUNNING, 1)] * 3
+    assert [row[6] for row in free] == [0, 0, 0]  # no budget: nothing held
+    loose = _claimed_roots({"max_tokens": 10**6, "max_cost_usd": 100.0}, with_plan=True)
+    assert loose == _claimed_roots({"max_tokens": 10**6, "max_cost_usd": 100.0}, with_plan=False)
+    reserved = loose[0][6]
+    assert reserved > 0 and [row[6] for row in loose] == [reserved] * 3
+    # A token budget for one root and a half: each claim counts the reservations before it, so the first
+    # root gets its tokens, the second what is left, and so on; both ways the same.
+    tight = _claimed_roots({"max_tokens": reserved + reserved // 2}, with_plan=True)
+    assert tight == _claimed_roots({"max_tokens": reserved + reserved // 2}, with_plan=False)
+    assert tight[0][6] == reserved and tight[1][6] < reserved
+    assert any(row[0] == "_Refused" and row[2] == 0 and row[9] == [] for row in tight), tight
+
+
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
@@ -262,4 +302,5 @@ CASES = (
     a_taker_that_does_not_run_the_step_leaves_it_to_be_sent,
     a_step_refused_at_its_taking_fails_the_job_when_run,
     parallel_steps_are_claimed_for_the_takers_spare_slots_and_the_rest_sent,
+    roots_claimed_with_the_plan_are_what_their_own_claims_would_write,
 )

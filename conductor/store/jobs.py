@@ -308,13 +308,40 @@ def _insert_job_stmt(columns: tuple[str, ...]) -> sa.Insert:
     return sa.insert(JOB).values({c: sa.bindparam(c, type_=JOB.c[c].type) for c in columns})
 
 
-def insert_steps(session: Session, *, steps: Sequence[Mapping[str, Any]]) -> None:
-    """Inserts a plan's step rows (``new_step_row``) in one Core ``executemany`` (ids are assigned by the
-    database and not read back: the engine addresses steps by (job id, index))."""
-    if steps:
-        columns = _columns(Step, ("id",))  # assigned by the database
-        session.connection().execute(_insert_step_stmt(),
-                                     [{column: step[attr] for attr, column in columns} for step in steps])
+def insert_steps(session: Session, *, steps: Sequence[Mapping[str, Any]], ids: bool = False) -> dict[int, int]:
+    """Inserts a plan's step rows (``new_step_row``) in one Core ``executemany``. Ids are assigned by the
+    database and, unless ``ids`` asks for them (index -> id), not read back: the engine addresses steps by
+    (job id, index)."""
+    if not steps:
+        return {}
+    columns = _columns(Step, ("id",))  # assigned by the database
+    params = [{column: step[attr] for attr, column in columns} for step in steps]
+    if not ids:
+        session.connection().execute(_insert_step_stmt(), params)
+        return {}
+    result = session.connection().execute(_insert_step_returning_stmt(), params)
+    return {int(index): int(step_id) for step_id, index in result.all()}
+
+
+@cache
+def _insert_step_returning_stmt() -> sa.Insert:
+    return sa.insert(STEP).returning(STEP.c.id, STEP.c.index)
+
+
+def open_attempts(session: Session, *, attempts: Sequence[tuple[int, str, datetime]]) -> dict[int, int]:
+    """Opens the first attempt of each (step id, worker, started at) in one ``executemany``; returns
+    step id -> attempt id."""
+    if not attempts:
+        return {}
+    result = session.connection().execute(
+        _open_first_attempt_stmt(), [{"step_id": step_id, "n": 1, "worker": worker, "started_at": started}
+                                     for step_id, worker, started in attempts])
+    return {int(step_id): int(attempt_id) for attempt_id, step_id in result.all()}
+
+
+@cache
+def _open_first_attempt_stmt() -> sa.Insert:
+    return sa.insert(ATTEMPT).returning(ATTEMPT.c.id, ATTEMPT.c.step_id)
 
 
 def new_step_row(**values: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
 from conductor.store.models import StepStatus
 from conductor.submission import JobCreate, create_job
-from tests.hot_path_cases import CASES, new_chain, taker
+from tests.hot_path_cases import CASES, new_chain, new_dag, taker
 
 
 @pytest.fixture
@@ -236,6 +236,43 @@ def test_planning_is_three_statements_and_inserts_its_roots_queued(statements: l
     assert [(st.status, st.queued_at is not None) for st in steps] == [("queued", True), ("queued", True),
                                                                        ("pending", False)]
 
+
+
+def test_roots_claimed_with_the_plan_cost_one_statement_in_all(statements: list[str], commits: list[str]) -> None:
+    job_id = new_dag([[], [], [], [0, 1, 2]])
+    statements.clear()
+    commits.clear()
+
+    due = plan_job(job_id, settings=get_settings(), take=taker(spare=1))
+
+    assert due.taken is not None and [t.index for t in due.alongside] == [1] and due.steps == [(job_id, 2)]
+    kinds = [" ".join(s.split(" ")[:3]) for s in statements]
+    assert kinds == ["UPDATE job SET", "UPDATE job SET", "INSERT INTO step", "INSERT INTO step_attempt"], statements
+    assert commits == ["COMMIT", "COMMIT"]  # the planning claim's, then the plan's with its roots' claims
+    with session_scope() as s:
+        steps = store.get_steps(s, job_id=job_id)
+        attempts = store.get_attempts(s, step_ids=[st.id for st in steps if st.id is not None])
+    assert [st.status for st in steps] == ["running", "running", "queued", "pending"]
+    assert [(a.step_id, a.n, a.worker) for a in attempts] == [(st.id, 1, st.lease_owner) for st in steps[:2]]
+    assert [a.attempt_id for a in (due.taken.claim, due.alongside[0].claim)] == [a.id for a in attempts]  # type: ignore[union-attr]
+
+
+def test_a_root_whose_claim_raises_with_the_plan_is_sent_instead(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    job_id = new_chain(2)
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a bug in rendering a root")
+
+    monkeypatch.setattr(engine, "_render", broken)
+    due = plan_job(job_id, settings=get_settings(), take=taker())
+
+    assert due.taken is None and due.steps == [(job_id, 0)]  # the plan recorded again, without the claim
+    assert "claiming a root step with the plan raised RuntimeError" in caplog.text
+    with session_scope() as s:
+        steps = store.get_steps(s, job_id=job_id)
+    assert [(st.status, st.attempts) for st in steps] == [("queued", 0), ("pending", 0)]
 
 
 def test_sending_a_dispatch_whose_step_was_claimed_for_the_slot_says_it_was_not_run(
