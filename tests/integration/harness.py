@@ -93,9 +93,10 @@ class Proc:
 ALL_QUEUES = "planner,steps,maintenance"
 
 
-def start_worker(env: dict[str, str], name: str, queues: str = ALL_QUEUES, concurrency: int = 8) -> Proc:
+def start_worker(env: dict[str, str], name: str, queues: str = ALL_QUEUES, concurrency: int = 8,
+                 pool: str | None = None) -> Proc:
     argv = [sys.executable, "-m", "conductor.cli", "worker", "--queues", queues, "--concurrency", str(concurrency),
-            "--hostname", f"{name}@%h", "--loglevel", "info"]
+            "--hostname", f"{name}@%h", "--loglevel", "info", *(["--pool", pool] if pool else [])]
     proc = Proc(name, argv, env)
     proc.wait_for_log("ready.")
     return proc

@@ -118,6 +118,22 @@ def test_steps_made_ready_together_run_beside_the_task_on_local_slots(
         own.stop()
 
 
+def test_a_gevent_worker_runs_them_beside_the_task_on_greenlets(
+    step_queues: dict[str, str], proc_env: dict[str, str], workers: object
+) -> None:
+    # The local slots' threads are greenlets there (the standard library is patched before anything
+    # starts, queue.SimpleQueue included): a slot waiting for work must not block the worker's hub.
+    env = {**proc_env, "CONDUCTOR_STEP_QUEUES": json.dumps(step_queues)}
+    own = start_worker(env, "green", queues=QUEUE, concurrency=20, pool="gevent")
+    try:
+        for _ in range(2):  # the second finds the slots' greenlets waiting for work
+            _, steps, attempts = _run(["c"] * 5, FAN_OUT)
+            assert len({st.celery_task_id for st in steps}) == 1, own.tail()
+            assert [st.index for st in steps if "/alongside#" in _attempt(attempts, st.id).worker] == [2, 3]
+    finally:
+        own.stop()
+
+
 def test_with_no_local_slots_parallel_steps_go_through_the_broker(
     step_queues: dict[str, str], proc_env: dict[str, str], workers: object
 ) -> None:
