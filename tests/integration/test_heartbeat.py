@@ -35,7 +35,8 @@ CALL_MS = 8000
 
 @pytest.fixture(scope="module")
 def hb_env(proc_env: dict[str, str], pools_dir: Path) -> dict[str, str]:
-    pool = {"planner": "template:single", "agents": {"long": {"provider": "sim", "options": {"latency_ms": CALL_MS}}}}
+    pool = {"planner": "template:single", "agents": {"long": {"provider": "sim", "options": {"latency_ms": CALL_MS}},
+                                                      "quick": {"provider": "sim"}}}
     (pools_dir / "heartbeat.yaml").write_text(yaml.safe_dump(pool))
     redis.Redis.from_url(BROKER).flushdb()
     return {
@@ -66,10 +67,10 @@ def hb_api(hb_env: dict[str, str]) -> Iterator[httpx.Client]:
     proc.stop()
 
 
-def step_and_attempts(job_id: str) -> tuple[Any, list[Any]]:
+def step_and_attempts(job_id: str, index: int = 0) -> tuple[Any, list[Any]]:
     with get_engine(get_settings().database_url).connect() as conn:
         step = conn.execute(sa.text("SELECT id, status, output, attempts, lease_expires_at FROM step "
-                                    "WHERE job_id = :id AND index = 0"), {"id": job_id}).first()
+                                    "WHERE job_id = :id AND index = :i"), {"id": job_id, "i": index}).first()
         if step is None:
             return None, []
         attempts = list(conn.execute(sa.text("SELECT n, worker, started_at, finished_at, error_type, latency_ms "
@@ -115,3 +116,40 @@ def test_a_sigkilled_workers_step_reruns_once_its_lease_lapses(hb_env: dict[str,
     assert attempts[1].latency_ms >= CALL_MS
     rerun_after = attempts[1].started_at.timestamp() - killed_at
     print(f"\nre-run started {rerun_after:.1f} s after the SIGKILL (lease {LEASE_S} s, reconcile interval 1 s)")
+
+
+def test_a_sigkilled_workers_steps_run_beside_its_task_rerun_too(hb_env: dict[str, str], hb_api: httpx.Client,
+                                                                 hb_beat: Proc) -> None:
+    # The planner worker claims the three roots with the plan and runs two of them beside its task, on its
+    # local slots: their leases are renewed by the same heartbeat, and lapse with it.
+    doomed = start_worker(hb_env, "hb-doomed2", concurrency=2)
+    workflow = {"model_ids": ["long", "long", "long", "quick"], "subtasks": ["a", "b", "c", "join"],
+                "access_lists": [[], [], [], [0, 1, 2]]}
+    r = hb_api.post("/v1/jobs", json={"task": "heartbeat", "pool": "heartbeat", "workflow": workflow})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, f"the leases were never renewed: {step_and_attempts(job_id)}"
+        roots = [step_and_attempts(job_id, i) for i in range(3)]
+        if all(attempts and step.lease_expires_at > attempts[0].started_at + timedelta(seconds=LEASE_S + 0.5)
+               for step, attempts in roots):
+            break
+        time.sleep(0.1)
+    assert sum("/alongside#" in attempts[0].worker for _, attempts in roots) == 2, roots
+    doomed.kill(signal.SIGKILL)
+    doomed.stop()
+
+    survivor = start_worker(hb_env, "hb-survivor2", concurrency=4)
+    try:
+        job = wait_terminal(hb_api, job_id, timeout=120)
+    finally:
+        survivor.stop()
+
+    assert job["status"] == "succeeded", job
+    for i, subtask in enumerate("abc"):
+        step, attempts = step_and_attempts(job_id, i)
+        assert step.status == "succeeded" and step.attempts == 2 and step.output == f"[long] {subtask}"
+        assert [a.error_type for a in attempts] == ["worker_lost", None]  # one final output each
+        assert attempts[0].worker.startswith("hb-doomed2@") and attempts[1].worker.startswith("hb-survivor2@")
