@@ -194,7 +194,7 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
             rows[i].update(status=StepStatus.QUEUED, queued_at=now)
         agents = {i: wf.steps[i].agent for i in roots}
         take = taker[0]
-        claims = _claim_roots(job, result, rows, _to_take(take, job_id, roots, agents), take, now) if take else []
+        claims = _claim_roots(job, result, rows, roots, agents, take, now) if take else []
         ids = store.insert_steps(s, steps=rows, ids=bool(claims))
         taken = _opened_roots(s, job, claims, ids, agents, now)
         sent = [i for i in roots if i not in {t.index for t in taken}]
@@ -220,18 +220,18 @@ class _RootClaim:
     rendered: _Rendered
 
 
-def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], indices: list[int], take: Taker,
-                 now: datetime) -> list[_RootClaim]:
-    """Claims a plan's roots for ``take`` before their rows are inserted: what ``_claim`` would read back
-    for each (the job, what its planner and steps spent or hold, the outputs a root may see — a replay's
-    reused steps) is in memory here, so each root is inserted ``running`` under its claim, with its
-    messages and reservation, instead of inserted ``queued`` and then read and claimed by two more
+def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], roots: list[int], agents: dict[int, str],
+                 take: Taker, now: datetime) -> list[_RootClaim]:
+    """Claims the roots ``take`` takes (``_to_take``) before their rows are inserted: what ``_claim`` would
+    read back for each (the job, what its planner and steps spent or hold, the outputs a root may see — a
+    replay's reused steps) is in memory here, so each root is inserted ``running`` under its claim, with
+    its messages and reservation, instead of inserted ``queued`` and then read and claimed by two more
     statements. One after another, as those claims would: each root's reservation counts against the
     next one's budget."""
     claims: list[_RootClaim] = []
     limits = job.limits or {}
     try:
-        for i in indices:
+        for i in _to_take(take, job.id, roots, agents, _pool(job.id, job.pool_config or {})):
             row = rows[i]
             tokens = result.usage.input_tokens + result.usage.output_tokens + sum(
                 r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in rows)
@@ -703,12 +703,26 @@ def _takes(take: Taker, job_id: str, index: int, agent: str) -> bool:
     return agent != CONDUCTOR_AGENT and take.runs(job_id, index, agent)
 
 
-def _to_take(take: Taker | None, job_id: str, ready: list[int], agents: dict[int, str]) -> list[int]:
-    """Of ``ready``, the steps ``take`` claims: the first it runs, and up to ``take.spare()`` more."""
+def _to_take(take: Taker | None, job_id: str, ready: list[int], agents: dict[int, str],
+             pool: PoolConfig | None) -> list[int]:
+    """Of ``ready``, the steps ``take`` claims: the first it runs, and up to ``take.spare()`` more that
+    may run beside it (``_runs_beside``; none when the job's pool is not known here)."""
     if take is None:
         return []
     mine = [i for i in ready if _takes(take, job_id, i, agents[i])]
-    return mine[:1 + max(0, take.spare())] if len(mine) > 1 else mine
+    if len(mine) <= 1:
+        return mine
+    beside = [i for i in mine[1:] if pool is not None and _runs_beside(pool, agents[i])]
+    return [mine[0], *beside[:max(0, take.spare())]]
+
+
+def _runs_beside(pool: PoolConfig, agent: str) -> bool:
+    """A step may run on a local slot beside its task unless its agent is a model loaded in this process
+    (provider ``local``): its calls run one at a time per loaded model, so on a slot it would only wait
+    for the model's lock (and could time out there), where sent, another worker process — with its own
+    copy of the model — can run it."""
+    config = pool.agents.get(agent)
+    return config is not None and config.provider != "local"
 
 
 def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str],
@@ -718,7 +732,7 @@ def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str],
     conductor step is left to its own claim: it starts a child job. A step that cannot be claimed here is
     simply sent."""
     claims: list[Taken] = []
-    for i in _to_take(take, job_id, ready, agents):
+    for i in _to_take(take, job_id, ready, agents, _POOLS.get(job_id)):  # known here after running a step of it
         worker = take.worker if not claims else take.beside or take.worker
         try:
             claimed = _claim(s, job_id, i, owner=_owner(worker), task_id=take.task_id, settings=take.settings)

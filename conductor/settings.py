@@ -96,7 +96,8 @@ class Settings(BaseSettings):
     steps ready at once (a fan-out's roots, a step's dependents), the one its task continues with and up
     to this many more (free slots only) are claimed in the same transaction and run at once in this
     process, instead of a broker message and a claim transaction each; the task that claimed them ends
-    when they have (warm shutdown waits for them). 0 sends them through the broker. Needs
+    when they have (warm shutdown waits for them). Steps of a model loaded in the process (provider
+    ``local``, one call at a time) are sent instead. 0 sends them all through the broker. Needs
     ``worker_continue_steps``."""
     worker_pool: Literal["threads", "prefork", "solo", "gevent"] = "threads"
     """``conductor worker``'s default Celery pool (``--pool`` overrides it)."""
