@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> Result:
                "LangGraph hop p50", "LangGraph e2e p50", "LangGraph CPU/job"]
     notes = [f"{repeat} runs per shape; worker pool `{args.pool}` x{args.concurrency}; jobs run one at a time, "
              "after one warm-up job of each shape (not counted), on every orchestrator.",
-             "CQ: a worker runs one step its step made ready itself (the default); CQ brokered: every ready step "
+             "CQ: a worker runs the steps its step made ready itself, one in the same task and parallel ones beside it "
+             "(the default); CQ brokered: every ready step "
              "goes through the broker (`CONDUCTOR_WORKER_CONTINUE_STEPS=false`).",
              "CPU/job: the orchestrator's own process per job (the worker; Celery's no-op worker; the benchmark's "
              "process for LangGraph), Postgres and Redis not counted."]
