@@ -298,3 +298,31 @@ def test_the_in_flight_quota_is_the_inserts_condition_on_sqlite(settings: Settin
         assert not store.insert_job_admitted(s, job=second, max_in_flight=1)
     with session_scope() as s:
         assert store.count_jobs_in_flight(s, tenant="quota") == 1 and store.get_job(s, job_id=second.id) is None
+
+
+def test_steps_claimed_beside_with_no_slot_left_run_in_the_claiming_task_after_its_own(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conductor.engine import Taker
+    from conductor.tasks import jobs
+    from conductor.tasks.app import STEPS_QUEUE
+
+    monkeypatch.setenv("CONDUCTOR_WORKER_LOCAL_SLOTS", "0")  # every slot taken by the time they start
+    get_settings.cache_clear()
+    settings = get_settings()
+    job_id = submit(settings, workflow={"model_ids": ["a"] * 4, "subtasks": ["x", "y", "z", "join"],
+                                        "access_lists": [[], [], [], [0, 1, 2]]})
+    slot = jobs._Slot("host", "task-x", frozenset({STEPS_QUEUE}))
+    # The claim read two spare slots; another task took them before this one started its steps.
+    take = Taker(worker=slot.worker(), task_id=slot.task_id, settings=settings, runs=lambda *_: True,
+                 spare=lambda: 2, beside="host/alongside")
+    due = plan_job(job_id, settings=settings, take=take)
+    assert due.taken is not None and len(due.alongside) == 2 and due.steps == []
+
+    jobs._run_on(slot, due, take)  # no thread to hand them to: this call runs all four steps itself
+
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        steps = store.get_steps(s, job_id=job_id)
+    assert job is not None and job.status == JobStatus.SUCCEEDED
+    assert [(st.status, st.attempts, st.celery_task_id) for st in steps] == [(StepStatus.SUCCEEDED, 1, "task-x")] * 4
