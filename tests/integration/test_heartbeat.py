@@ -9,6 +9,7 @@ The re-run delay is printed (a figure for docs/benchmarks.md), never asserted.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ CALL_MS = 8000
 @pytest.fixture(scope="module")
 def hb_env(proc_env: dict[str, str], pools_dir: Path) -> dict[str, str]:
     pool = {"planner": "template:single", "agents": {"long": {"provider": "sim", "options": {"latency_ms": CALL_MS}},
+                                                      "mid": {"provider": "sim", "options": {"latency_ms": 3000}},
                                                       "quick": {"provider": "sim"}}}
     (pools_dir / "heartbeat.yaml").write_text(yaml.safe_dump(pool))
     redis.Redis.from_url(BROKER).flushdb()
@@ -153,3 +155,37 @@ def test_a_sigkilled_workers_steps_run_beside_its_task_rerun_too(hb_env: dict[st
         assert step.status == "succeeded" and step.attempts == 2 and step.output == f"[long] {subtask}"
         assert [a.error_type for a in attempts] == ["worker_lost", None]  # one final output each
         assert attempts[0].worker.startswith("hb-doomed2@") and attempts[1].worker.startswith("hb-survivor2@")
+
+
+def test_a_warm_shutdown_waits_for_the_steps_run_beside_its_tasks(hb_env: dict[str, str], hb_api: httpx.Client) -> None:
+    # SIGTERM while two 3 s roots run beside the planner's task (its own root is quick): Celery waits for
+    # the task, the task for the steps beside it, and the last root's outcome continues with the join.
+    worker = start_worker(hb_env, "hb-graceful", concurrency=2)
+    workflow = {"model_ids": ["quick", "mid", "mid", "quick"], "subtasks": ["a", "b", "c", "join"],
+                "access_lists": [[], [], [], [0, 1, 2]]}
+    r = hb_api.post("/v1/jobs", json={"task": "graceful", "pool": "heartbeat", "workflow": workflow})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    deadline = time.monotonic() + 30
+    while not all(step_and_attempts(job_id, i)[1] for i in (1, 2)):
+        assert time.monotonic() < deadline, worker.tail()
+        time.sleep(0.05)
+
+    os.killpg(worker.popen.pid, signal.SIGTERM)
+    assert worker.popen.wait(timeout=30) == 0, worker.tail()  # exited by itself once the steps were done
+    log = worker.tail(200)
+    worker.stop()
+
+    job = hb_api.get(f"/v1/jobs/{job_id}").json()  # no other worker ran anything: the job ended before
+    assert job["status"] == "succeeded", job
+    for i in range(4):
+        step, attempts = step_and_attempts(job_id, i)
+        assert step.status == "succeeded" and step.attempts == 1, step
+        assert [a.error_type for a in attempts] == [None] and attempts[0].worker.startswith("hb-graceful@")
+    # The planner's task lasted as long as the calls beside it (its own step took no time): it is what the
+    # warm shutdown waited for, and what Flower showed as active meanwhile.
+    (task_id, runtime_s), = re.findall(r"Task conductor\.plan\[([0-9a-f-]+)\] succeeded in ([0-9.]+)s", log)
+    beside = [step_and_attempts(job_id, i)[1][0] for i in (1, 2)]
+    assert all("/alongside#" in a.worker for a in beside), beside
+    assert float(runtime_s) * 1000 >= max(a.latency_ms for a in beside), (runtime_s, beside)
+    assert all(f"task {task_id} runs job={job_id} step={i} agent=mid beside it" in log for i in (1, 2)), log
