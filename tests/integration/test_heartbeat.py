@@ -80,37 +80,50 @@ def step_and_attempts(job_id: str, index: int = 0) -> tuple[Any, list[Any]]:
     return step, attempts
 
 
+def submit(client: httpx.Client, task: str, agents: list[str], access_lists: list[list[int]]) -> str:
+    workflow = {"model_ids": agents, "subtasks": [f"{task} {i}" for i in range(len(agents))],
+                "access_lists": access_lists}
+    r = client.post("/v1/jobs", json={"task": task, "pool": "heartbeat", "workflow": workflow})
+    assert r.status_code == 202, r.text
+    return str(r.json()["id"])
+
+
+def wait_renewed(job_id: str, indices: list[int]) -> list[tuple[Any, list[Any]]]:
+    """Waits until a live worker's heartbeat has pushed each step's lease past the one its claim set."""
+    deadline = time.monotonic() + 60
+    while True:
+        steps = [step_and_attempts(job_id, i) for i in indices]
+        if all(attempts and step.lease_expires_at > attempts[0].started_at + timedelta(seconds=LEASE_S + 0.5)
+               for step, attempts in steps):
+            return steps
+        assert time.monotonic() < deadline, f"the leases were never renewed: {steps}"
+        time.sleep(0.1)
+
+
+def finish_on_a_survivor(env: dict[str, str], client: httpx.Client, name: str, job_id: str) -> dict[str, Any]:
+    survivor = start_worker(env, name, concurrency=4)
+    try:
+        return wait_terminal(client, job_id, timeout=120)
+    finally:
+        survivor.stop()
+
+
 def test_a_sigkilled_workers_step_reruns_once_its_lease_lapses(hb_env: dict[str, str], hb_api: httpx.Client,
                                                                hb_beat: Proc) -> None:
     doomed = start_worker(hb_env, "hb-doomed", concurrency=2)
-    workflow = {"model_ids": ["long"], "subtasks": ["hold on"], "access_lists": [[]]}
-    r = hb_api.post("/v1/jobs", json={"task": "heartbeat", "pool": "heartbeat", "workflow": workflow})
-    assert r.status_code == 202, r.text
-    job_id = r.json()["id"]
-
-    # The live worker's heartbeat must push the lease past the one the claim set: wait to see it.
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, f"the lease was never renewed: {step_and_attempts(job_id)}"
-        step, attempts = step_and_attempts(job_id)
-        if attempts and step.lease_expires_at > attempts[0].started_at + timedelta(seconds=LEASE_S + 0.5):
-            break
-        time.sleep(0.1)
+    job_id = submit(hb_api, "heartbeat", ["long"], [[]])
+    ((step, attempts),) = wait_renewed(job_id, [0])
     assert step.status == "running" and len(attempts) == 1 and attempts[0].finished_at is None
     doomed.kill(signal.SIGKILL)
     killed_at = time.time()
     doomed.stop()
 
-    survivor = start_worker(hb_env, "hb-survivor", concurrency=2)
-    try:
-        job = wait_terminal(hb_api, job_id, timeout=120)
-    finally:
-        survivor.stop()
+    job = finish_on_a_survivor(hb_env, hb_api, "hb-survivor", job_id)
 
     assert job["status"] == "succeeded", job
-    assert job["answer"] == "[long] hold on"
+    assert job["answer"] == "[long] heartbeat 0"
     step, attempts = step_and_attempts(job_id)
-    assert step.status == "succeeded" and step.attempts == 2 and step.output == "[long] hold on"
+    assert step.status == "succeeded" and step.attempts == 2 and step.output == "[long] heartbeat 0"
     assert [a.error_type for a in attempts] == ["worker_lost", None]  # one final output, from the re-run
     assert all(a.finished_at is not None for a in attempts)
     assert attempts[0].worker.startswith("hb-doomed@") and attempts[1].worker.startswith("hb-survivor@")
@@ -125,34 +138,18 @@ def test_a_sigkilled_workers_steps_run_beside_its_task_rerun_too(hb_env: dict[st
     # The planner worker claims the three roots with the plan and runs two of them beside its task, on its
     # local slots: their leases are renewed by the same heartbeat, and lapse with it.
     doomed = start_worker(hb_env, "hb-doomed2", concurrency=2)
-    workflow = {"model_ids": ["long", "long", "long", "quick"], "subtasks": ["a", "b", "c", "join"],
-                "access_lists": [[], [], [], [0, 1, 2]]}
-    r = hb_api.post("/v1/jobs", json={"task": "heartbeat", "pool": "heartbeat", "workflow": workflow})
-    assert r.status_code == 202, r.text
-    job_id = r.json()["id"]
-
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, f"the leases were never renewed: {step_and_attempts(job_id)}"
-        roots = [step_and_attempts(job_id, i) for i in range(3)]
-        if all(attempts and step.lease_expires_at > attempts[0].started_at + timedelta(seconds=LEASE_S + 0.5)
-               for step, attempts in roots):
-            break
-        time.sleep(0.1)
+    job_id = submit(hb_api, "heartbeat", ["long", "long", "long", "quick"], [[], [], [], [0, 1, 2]])
+    roots = wait_renewed(job_id, [0, 1, 2])
     assert sum("/alongside#" in attempts[0].worker for _, attempts in roots) == 2, roots
     doomed.kill(signal.SIGKILL)
     doomed.stop()
 
-    survivor = start_worker(hb_env, "hb-survivor2", concurrency=4)
-    try:
-        job = wait_terminal(hb_api, job_id, timeout=120)
-    finally:
-        survivor.stop()
+    job = finish_on_a_survivor(hb_env, hb_api, "hb-survivor2", job_id)
 
     assert job["status"] == "succeeded", job
-    for i, subtask in enumerate("abc"):
+    for i in range(3):
         step, attempts = step_and_attempts(job_id, i)
-        assert step.status == "succeeded" and step.attempts == 2 and step.output == f"[long] {subtask}"
+        assert step.status == "succeeded" and step.attempts == 2 and step.output == f"[long] heartbeat {i}"
         assert [a.error_type for a in attempts] == ["worker_lost", None]  # one final output each
         assert attempts[0].worker.startswith("hb-doomed2@") and attempts[1].worker.startswith("hb-survivor2@")
 
@@ -161,11 +158,7 @@ def test_a_warm_shutdown_waits_for_the_steps_run_beside_its_tasks(hb_env: dict[s
     # SIGTERM while two 3 s roots run beside the planner's task (its own root is quick): Celery waits for
     # the task, the task for the steps beside it, and the last root's outcome continues with the join.
     worker = start_worker(hb_env, "hb-graceful", concurrency=2)
-    workflow = {"model_ids": ["quick", "mid", "mid", "quick"], "subtasks": ["a", "b", "c", "join"],
-                "access_lists": [[], [], [], [0, 1, 2]]}
-    r = hb_api.post("/v1/jobs", json={"task": "graceful", "pool": "heartbeat", "workflow": workflow})
-    assert r.status_code == 202, r.text
-    job_id = r.json()["id"]
+    job_id = submit(hb_api, "graceful", ["quick", "mid", "mid", "quick"], [[], [], [], [0, 1, 2]])
     deadline = time.monotonic() + 30
     while not all(step_and_attempts(job_id, i)[1] for i in (1, 2)):
         assert time.monotonic() < deadline, worker.tail()
