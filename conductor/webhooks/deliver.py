@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+import httpcore
 import httpx
 from sqlmodel import Session
 
@@ -103,10 +105,14 @@ def _freeze_payload(s: Session, row: WebhookDelivery, render: RenderJob) -> str:
 
 def _post(url: str, target: Target, headers: dict[str, str], body: bytes, *, timeout: float) -> _Answer:
     """POSTs to the checked address itself; the Host header and the TLS server name stay the URL's host,
-    so certificates are verified against the name. No redirects, no proxies from the environment."""
+    so certificates are verified against the name. No redirects, no proxies from the environment. The
+    whole attempt — connect, TLS, sending, the answer's status line and headers — ends within ``timeout``
+    seconds (``_Deadline``); the answer's body is never read."""
     original = httpx.URL(url)
     pinned = original.copy_with(host=str(target.address))
-    extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+    extensions: dict[str, Any] = {"timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}}
+    if target.scheme == "https":
+        extensions["sni_hostname"] = target.host
     request_headers = {
         **headers,
         "Host": original.netloc.decode("ascii"),
@@ -115,15 +121,79 @@ def _post(url: str, target: Target, headers: dict[str, str], body: bytes, *, tim
     }
     try:
         with (
-            httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client,
-            client.stream("POST", pinned, headers=request_headers, content=body, extensions=extensions) as response,
+            httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), max_connections=1,
+                                    network_backend=_Deadline(timeout)) as pool,
+            pool.stream("POST", str(pinned), headers=list(request_headers.items()), content=body,
+                        extensions=extensions) as response,
         ):
-            code = response.status_code
-            retry_after = _retry_after(response.headers.get("retry-after"))
-    except httpx.HTTPError as exc:
+            code = response.status
+            retry_after = _retry_after(_header(response.headers, b"retry-after"))
+    except _TRANSPORT_ERRORS as exc:
         return _Answer(None, None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS] or type(exc).__name__)
     error = None if 200 <= code < 300 else f"HTTP {code}"
     return _Answer(code, retry_after, error)
+
+
+_TRANSPORT_ERRORS = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,
+                     httpcore.UnsupportedProtocol, httpcore.ProxyError)
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+class _Deadline(httpcore.NetworkBackend):
+    """One attempt's connection, whose every socket operation gets at most what is left of the attempt's
+    ``seconds``. A per-operation timeout alone (httpx's) would let a receiver that sends its answer a
+    byte at a time hold a delivery worker for as long as it likes."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.until = time.monotonic() + seconds
+        self.backend = httpcore.SyncBackend()
+
+    def left(self, timeout: float | None) -> float:
+        left = self.until - time.monotonic()
+        if left <= 0:
+            raise httpcore.ReadTimeout(f"the receiver did not answer within {self.seconds:g} s")
+        return left if timeout is None else min(timeout, left)
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self.backend.connect_tcp(host, port, self.left(timeout), local_address,
+                                                        socket_options), self)
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        raise httpcore.UnsupportedProtocol("webhooks are sent over TCP only")
+
+    def sleep(self, seconds: float) -> None:
+        self.backend.sleep(min(seconds, self.left(None)))
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, stream: httpcore.NetworkStream, deadline: _Deadline):
+        self.stream, self.deadline = stream, deadline
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self.stream.read(max_bytes, self.deadline.left(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.stream.write(buffer, self.deadline.left(timeout))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self.stream.start_tls(ssl_context, server_hostname, self.deadline.left(timeout)),
+                               self.deadline)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.stream.get_extra_info(info)
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -1,7 +1,8 @@
 """Which webhook targets may be called (SSRF): only public (globally routable) unicast addresses.
 
 Private, loopback, link-local (with the 169.254.169.254 metadata service), unspecified, multicast,
-shared (CGNAT), documentation and other reserved ranges are refused — at submit for a literal address
+shared (CGNAT), documentation and other reserved ranges are refused — also inside an IPv6 address
+(IPv4-mapped, 6to4, NAT64) — at submit for a literal address
 or a reserved name, and again at send time for every address the host name resolves to. The sender
 then connects to the address it checked (see ``resolve``), so a name that resolves differently a moment
 later (DNS rebinding) cannot redirect the request. ``allow_loopback`` admits 127.0.0.0/8 and ::1 only.
@@ -10,6 +11,7 @@ later (DNS rebinding) cannot redirect the request. ``allow_loopback`` admits 127
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -17,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import HttpUrl, TypeAdapter
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+log = logging.getLogger(__name__)
 RESERVED_NAMES = ("localhost", "localhost.localdomain", "metadata.google.internal", "metadata")
 RESERVED_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain")
 SCHEMES = ("http", "https")
@@ -56,22 +59,46 @@ def literal_address(host: str) -> IPAddress | None:
         return None
 
 
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+"""The well-known NAT64 prefix (RFC 6052): its last 32 bits are the IPv4 address a NAT64 gateway reaches."""
+NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
+"""Local-use NAT64 (RFC 8215): a network's own translation, which may reach its private IPv4 ranges."""
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+"""Deprecated IPv4-compatible addresses (RFC 4291), ``::`` and ``::1`` aside."""
+
+
 def address_problem(address: IPAddress, *, allow_loopback: bool) -> str | None:
     """Why ``address`` may not be called, or None."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address_problem(address.ipv4_mapped, allow_loopback=allow_loopback)
+    kind = address_kind(address, allow_loopback=allow_loopback)
+    return None if kind is None else f"{address} is {kind}"
+
+
+def address_kind(address: IPAddress, *, allow_loopback: bool) -> str | None:
+    """What makes ``address`` unsafe to call ("a private address", …), or None. An IPv6 address that
+    carries an IPv4 one (IPv4-mapped, 6to4, well-known NAT64) is judged by the IPv4 address it reaches."""
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour
+        if embedded is None and address in NAT64:
+            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if embedded is not None:
+            kind = address_kind(embedded, allow_loopback=allow_loopback)
+            return None if kind is None else f"{kind} ({embedded}) inside an IPv6 one"
+        if address in NAT64_LOCAL:
+            return "a local-use NAT64 address (it may reach private IPv4 networks)"
+        if address in IPV4_COMPATIBLE and not (address.is_loopback or address.is_unspecified):
+            return "a deprecated IPv4-compatible address"
     if address.is_loopback:
-        return None if allow_loopback else f"{address} is a loopback address"
+        return None if allow_loopback else "a loopback address"
     if address.is_multicast:
-        return f"{address} is a multicast address"
+        return "a multicast address"
     if address.is_unspecified:
-        return f"{address} is the unspecified address"
+        return "the unspecified address"
     if address.is_link_local:
-        return f"{address} is a link-local address (cloud metadata services live there)"
+        return "a link-local address (cloud metadata services live there)"
     if address.is_private:
-        return f"{address} is a private address"
+        return "a private address"
     if not address.is_global:
-        return f"{address} is a reserved address, not publicly routable"
+        return "a reserved address, not publicly routable"
     return None
 
 
@@ -124,7 +151,10 @@ def resolve(url: str, *, allow_loopback: bool) -> Target:
     if not addresses:
         raise Unresolvable(f"{host} resolved to no address")
     for candidate in addresses:
-        problem = address_problem(candidate, allow_loopback=allow_loopback)
-        if problem:
-            raise UnsafeTarget(f"webhook target refused: {host} resolves to {problem}")
+        kind = address_kind(candidate, allow_loopback=allow_loopback)
+        if kind:
+            # The tenant reads this (the delivery's attempts): it names the kind, not the address, so
+            # webhook URLs cannot map the service's internal names to their addresses. The log has both.
+            log.warning("webhook target %s refused: %s resolves to %s, %s", url, host, candidate, kind)
+            raise UnsafeTarget(f"webhook target refused: {host} resolves to {kind}")
     return Target(scheme, host, port, addresses[0])

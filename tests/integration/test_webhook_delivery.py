@@ -107,7 +107,9 @@ def test_a_name_that_resolves_to_a_private_address_is_refused_before_connecting(
 
     delivery, attempts = row(delivery_id)
     assert outcome.retry_in is None and delivery.status == DeliveryStatus.FAILED
-    assert attempts[0].status_code is None and "10.0.0.1 is a private address" in (attempts[0].error or "")
+    error = attempts[0].error or ""
+    assert attempts[0].status_code is None and "hooks.example.com resolves to a private address" in error
+    assert "10.0.0.1" not in error  # the tenant reads the attempts: no internal address in them
     assert connects == []
 
 
@@ -120,3 +122,43 @@ def test_only_top_level_jobs_with_a_url_owe_a_webhook(settings: Settings) -> Non
     assert run_step(job_id, 0, worker="test", task_id=None, settings=settings).webhooks == []
     with session_scope() as s:
         assert store.deliveries_for_job(s, job_id=job_id) == []
+
+
+def test_a_receiver_trickling_its_answer_cannot_hold_the_attempt_past_its_timeout(settings: Settings) -> None:
+    """httpx's timeout bounds each socket read; a receiver sending its headers a byte at a time would hold
+    a delivery worker for days. The attempt as a whole ends at ``webhook_timeout_s``."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+            for _ in range(600):  # a byte every 0.1 s for a minute: each read is far inside the timeout
+                if stop.wait(0.1):
+                    return
+                try:
+                    conn.sendall(b"a")
+                except OSError:
+                    return  # the sender gave up and closed the connection
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    quick = settings.model_copy(update={"webhook_timeout_s": 1.0})
+    delivery_id = ended_job_delivery(quick, f"http://127.0.0.1:{listener.getsockname()[1]}/hook")
+    attempt = threading.Thread(target=deliver, args=(delivery_id,), kwargs={"settings": quick, "render": job_payload})
+    attempt.start()
+    attempt.join(timeout=30)
+    still_waiting = attempt.is_alive()
+    stop.set()
+    attempt.join()
+    listener.close()
+    assert not still_waiting, "the attempt was still waiting for the trickling receiver after 30 s"
+    delivery, attempts = row(delivery_id)
+    assert [(a.status_code, (a.error or "").split(":")[0]) for a in attempts] == [(None, "ReadTimeout")]
+    assert delivery.status == DeliveryStatus.PENDING  # retried later, like any receiver that did not answer
+    with session_scope() as s:
+        store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)

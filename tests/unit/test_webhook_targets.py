@@ -23,6 +23,11 @@ REFUSED = [
     "http://[fd00::1]/hook",  # unique local
     "http://[::ffff:10.0.0.1]/hook",  # IPv4-mapped private
     "http://[::ffff:169.254.169.254]/hook",
+    "http://[64:ff9b::a00:1]/hook",  # 10.0.0.1 through the well-known NAT64 prefix
+    "http://[64:ff9b::a9fe:a9fe]/hook",  # ... the metadata service
+    "http://[2002:a00:1::]/hook",  # 10.0.0.1 inside a 6to4 address
+    "http://[64:ff9b:1::5]/hook",  # local-use NAT64
+    "http://[::7f00:1]/hook",  # 127.0.0.1, IPv4-compatible (deprecated)
     "http://2130706433/hook",  # 127.0.0.1 as one decimal number
     "http://0xa9.0xfe.0xa9.0xfe/hook",  # 169.254.169.254 in hex
     "http://0251.0376.0251.0376/hook",  # ... and in octal
@@ -41,7 +46,7 @@ def test_private_loopback_link_local_and_reserved_targets_are_refused(url: str) 
 
 
 @pytest.mark.parametrize("url", ["https://hooks.example.com/conductor", "http://93.184.215.14/x",
-                                 "https://[2606:4700::1111]/x"])
+                                 "https://[2606:4700::1111]/x", "http://[64:ff9b::5db8:d70e]/x"])  # NAT64 to public
 def test_public_targets_pass_the_submit_check(url: str) -> None:
     check_url(url, allow_loopback=False)
 
@@ -69,8 +74,9 @@ def test_a_name_resolving_to_any_unsafe_address_is_refused_at_send_time(monkeypa
                 (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("169.254.169.254", port))]
 
     monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
-    with pytest.raises(UnsafeTarget, match=r"rebind\.example\.com resolves to 169\.254\.169\.254"):
+    with pytest.raises(UnsafeTarget, match=r"rebind\.example\.com resolves to a link-local address") as refused:
         resolve("https://rebind.example.com/hook", allow_loopback=False)
+    assert "169.254" not in str(refused.value)  # the tenant reads it: the kind, never the internal address
 
 
 def test_send_time_target_pins_the_checked_address(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,3 +92,8 @@ def test_send_time_target_pins_the_checked_address(monkeypatch: pytest.MonkeyPat
 def test_problem_names_the_kind_of_address() -> None:
     assert "link-local" in (address_problem(literal_address("169.254.169.254"), allow_loopback=False) or "")  # type: ignore[arg-type]
     assert "private" in (address_problem(literal_address("10.0.0.1"), allow_loopback=False) or "")  # type: ignore[arg-type]
+
+
+def test_an_ipv6_address_carrying_an_ipv4_one_names_both() -> None:
+    problem = address_problem(literal_address("[64:ff9b::a00:1]"), allow_loopback=False)  # type: ignore[arg-type]
+    assert problem == "64:ff9b::a00:1 is a private address (10.0.0.1) inside an IPv6 one"
