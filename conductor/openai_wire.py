@@ -8,7 +8,7 @@ models (``openai.types``). Conductor's extensions are named ``conductor`` and do
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -35,7 +35,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. ``name``: accepted and not used
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = Field(default=None, max_length=MAX_CONTENT_PARTS)
+    # The limit is on the parts of a list; a string's length is bounded by the request's size limit.
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -199,6 +200,12 @@ class FileObject(BaseModel):
     status: Literal["processed"] = "processed"
     expires_at: int | None = None
     status_details: str | None = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
 
 
 class FileList(BaseModel):

@@ -22,7 +22,8 @@ class Message:
 class CallOptions:
     """Per-call options. ``json_schema`` asks the backend to constrain output to that schema when it can."""
 
-    temperature: float = 0.2
+    temperature: float | None = 0.2
+    """None: not sent (the backend's default)."""
     max_tokens: int = 4096
     timeout_s: float = 300.0
     json_schema: dict[str, Any] | None = None

@@ -24,10 +24,13 @@ class Conversation:
 
 def to_conversation(messages: list[Message]) -> Conversation:
     """System messages are pulled out (joined in order); consecutive same-role turns are merged,
-    because both APIs reject two user (or two assistant) turns in a row."""
+    because both APIs reject two user (or two assistant) turns in a row. Blank messages are left out
+    (an earlier step that answered nothing): both APIs reject a turn with empty text."""
     system_parts: list[str] = []
     turns: list[Turn] = []
     for message in messages:
+        if not message.content.strip():
+            continue
         if message.role == "system":
             system_parts.append(message.content)
             continue

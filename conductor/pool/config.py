@@ -39,7 +39,9 @@ class AgentConfig(BaseModel):
     model: str = ""
     base_url: str | None = None
     api_key_env: str | None = None
-    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0, le=2)
+    temperature: float | None = Field(default=DEFAULT_TEMPERATURE, ge=0, le=2)
+    """Sampling temperature; ``null``: none is sent and the model uses its own default (OpenAI's reasoning
+    models, e.g. gpt-5, accept only theirs)."""
     max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=200_000)
     price: Price = Field(default_factory=Price)
     rpm: int | None = Field(default=None, ge=1)

@@ -64,6 +64,13 @@ class AuthError(FatalError):
     error_type = ErrorType.AUTH_ERROR
 
 
+class QuotaExhausted(FatalError):
+    """A 429 that is not a rate limit: the account's quota or credit is used up (OpenAI's
+    ``insufficient_quota``). Waiting does not refill it: fix the billing or the key."""
+
+    error_type = ErrorType.PROVIDER_ERROR
+
+
 class ConfigError(FatalError):
     """The pool entry cannot be used as configured (unknown provider, missing package)."""
 

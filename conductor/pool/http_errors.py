@@ -18,11 +18,14 @@ from conductor.pool.errors import (
     BadRequest,
     ProviderError,
     ProviderTimeout,
+    QuotaExhausted,
     RateLimited,
     ServerError,
 )
 
 MAX_DETAIL_CHARS = 300
+QUOTA_CODES = frozenset({"insufficient_quota"})
+"""Error codes a 429 carries when the account is out of quota or credit, not merely rate limited."""
 REDACTED = "[redacted]"
 
 
@@ -69,6 +72,7 @@ def error_for_status(
     headers: Mapping[str, str] | None = None,
     fallback_retry_after: float | None = None,
     secret: str | None = None,
+    code: str | None = None,
 ) -> ProviderError:
     """The typed error for an HTTP error status.
 
@@ -76,6 +80,9 @@ def error_for_status(
     provider put in the body).
     """
     message = f"{where}: HTTP {status}: {scrub(detail, secret) or 'no detail'}"
+    if status == 429 and code in QUOTA_CODES:
+        return QuotaExhausted(f"{message} (the account's quota is used up; not retried: check its plan and "
+                              "billing, or use another key)", status=status)
     if status == 429:
         wait = parse_retry_after(headers)
         if wait is None:
@@ -121,8 +128,10 @@ def map_sdk_error(
     if isinstance(exc, sdk.APIConnectionError):
         return connection_failed(where, str(exc.__cause__ or exc), secret=secret)
     if isinstance(exc, sdk.APIStatusError):
+        code = getattr(exc, "code", None)
         return error_for_status(
-            exc.status_code, detail(exc), where=where, headers=exc.response.headers, secret=secret
+            exc.status_code, detail(exc), where=where, headers=exc.response.headers, secret=secret,
+            code=code if isinstance(code, str) else None,
         )
     if isinstance(exc, sdk.APIResponseValidationError | json.JSONDecodeError):
         # JSONDecodeError: a 2xx that says JSON but is not (the SDK's json.loads raised).

@@ -218,7 +218,7 @@ class LocalProvider(Provider):
                 chunks = handler(
                     llama=loaded.llm,
                     messages=chat,
-                    temperature=options.temperature,
+                    **({} if options.temperature is None else {"temperature": options.temperature}),
                     max_tokens=max_tokens,
                     grammar=grammar,
                     model=self.config.model,

@@ -77,7 +77,7 @@ class OpenAIProvider(Provider):
             response = client.chat.completions.create(
                 model=self.config.model,
                 messages=cast("list[ChatCompletionMessageParam]", self._wire_messages(messages)),
-                temperature=options.temperature,
+                temperature=openai.omit if options.temperature is None else options.temperature,
                 # OpenAI's reasoning models reject max_tokens; many compatible servers only know it.
                 max_completion_tokens=options.max_tokens if self._is_openai else openai.omit,
                 max_tokens=openai.omit if self._is_openai else options.max_tokens,

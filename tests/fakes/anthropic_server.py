@@ -67,6 +67,15 @@ class FakeAnthropicServer(FakeProviderServer):
         auth = request.headers.get("authorization", "")
         return auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
 
+    def invalid(self, body: Any) -> str | None:
+        messages = body.get("messages") if isinstance(body, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            final_assistant = i == len(messages) - 1 and message.get("role") == "assistant"
+            if not "".join(texts_in(message.get("content", ""))).strip() and not final_assistant:
+                return f"messages.{i}: all messages must have non-empty content except for the optional final " \
+                       "assistant message"
+        return None
+
     def last_message_text(self, body: Any) -> str:
         messages = body.get("messages") if isinstance(body, dict) else None
         if isinstance(messages, list) and messages and isinstance(messages[-1], dict):

@@ -121,6 +121,10 @@ class FakeProviderServer:
         """The text the default reply echoes."""
         return ""
 
+    def invalid(self, body: Any) -> str | None:
+        """Why the real API would refuse this request body with a 400, where the fake checks it."""
+        return None
+
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> Self:
         handler = _handler_for(self)
@@ -219,6 +223,11 @@ class FakeProviderServer:
             with self._lock:
                 self._requests.append(request)
             return 401, {}, _json(self.error_body(401, "invalid API key"))
+        problem = self.invalid(request.body)
+        if problem is not None:
+            with self._lock:
+                self._requests.append(request)
+            return 400, {}, _json(self.error_body(400, problem))
         reply = self._next_reply(request)
         if reply.delay_s and self._closing.wait(reply.delay_s):
             return None

@@ -67,6 +67,19 @@ def test_chat_completion_runs_a_job_with_earlier_turns_as_context(oai: openai.Op
     assert step["messages"][-1] == {"role": "user", "content": step["instruction"]}
 
 
+def test_a_long_message_is_accepted_and_its_parts_are_limited(oai: openai.OpenAI, http: httpx.Client) -> None:
+    question = "Summarise the following notes in one line. " + "The quick brown fox jumps over the lazy dog. " * 40
+    reply = oai.chat.completions.create(model="conductor", messages=[{"role": "user", "content": question}])
+    assert http.get(f"/v1/jobs/{reply.id}").json()["task"] == question
+    # A list of parts is limited to 64 parts (each part's text only by the request's size).
+    parts: list[Any] = [{"type": "text", "text": f"part {i} " * 20} for i in range(64)]
+    reply = oai.chat.completions.create(model="conductor", messages=[{"role": "user", "content": parts}])
+    assert http.get(f"/v1/jobs/{reply.id}").json()["status"] == "succeeded"
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(model="conductor", messages=[{"role": "user", "content": [*parts, parts[0]]}])
+    assert "64" in str(refused.value)
+
+
 def test_model_names_a_planner(oai: openai.OpenAI, http: httpx.Client) -> None:
     reply = oai.chat.completions.create(model="conductor/template:pev", messages=[{"role": "user", "content": "x"}])
     job = http.get(f"/v1/jobs/{reply.id}").json()

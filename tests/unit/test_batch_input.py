@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import openai
 import pytest
 
 from conductor.batches import BatchFileError, InputLine, LineError, line_job, parse_input
@@ -59,6 +60,19 @@ def test_a_chat_line_becomes_a_job_with_context() -> None:
                     SETTINGS)
     assert made.body.task == "why?" and made.body.planner == "template:pev"
     assert made.context == [{"role": "system", "content": "be brief"}]
+
+
+def test_a_chat_line_with_a_long_message_becomes_a_job() -> None:
+    question = "Explain each step of the derivation. " * 20  # 740 characters, under the 1,024-byte body
+    body = {"model": "conductor", "messages": [{"role": "user", "content": question}]}
+    made = line_job(item(method="POST", url="/v1/chat/completions", body=body), "/v1/chat/completions", SETTINGS)
+    assert made.body.task == question
+
+
+def test_a_chat_request_is_answered_before_the_openai_sdk_gives_up_and_retries() -> None:
+    # The SDK retries a timed-out request (a second job); our 504 after the wait says not to retry.
+    assert openai.DEFAULT_TIMEOUT.read is not None
+    assert Settings.model_fields["chat_max_wait_s"].default < openai.DEFAULT_TIMEOUT.read
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,8 @@ MESSAGES = [
     Message("user", "Context block."),
     Message("user", "Your subtask."),
 ]
+MESSAGES_ON_WIRE = [{"role": "user", "content": "Earlier subtask."},
+                    {"role": "assistant", "content": "Earlier answer."}]
 SHORT_TIMEOUT = CallOptions(timeout_s=0.3)
 
 
@@ -96,6 +98,22 @@ def test_system_goes_to_the_system_parameter_and_turns_alternate(server: FakeAnt
     # API version 2026-10-21 rejects sampling parameters, so none are sent.
     assert "temperature" not in request.body
     assert request.headers["anthropic-version"]
+
+
+def test_an_earlier_step_that_answered_nothing_is_left_out(server: FakeAnthropicServer) -> None:
+    # The Messages API refuses a turn with empty content: a blank earlier answer would fail every step
+    # that may see it.
+    messages = [Message("user", "Earlier subtask."), Message("assistant", "  \n"), Message("user", "Your subtask.")]
+    make_provider(server).complete(messages, CallOptions())
+
+    (request,) = server.requests
+    assert request.body["messages"] == [{"role": "user", "content": "Earlier subtask.\n\nYour subtask."}]
+
+
+def test_the_fake_refuses_an_empty_turn_as_the_api_does(server: FakeAnthropicServer) -> None:
+    # The check above would pass vacuously if the fake accepted empty turns.
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": ""}]}
+    assert server.invalid(body) is not None and server.invalid({**body, "messages": MESSAGES_ON_WIRE}) is None
 
 
 def test_no_system_parameter_without_system_messages(server: FakeAnthropicServer) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from conductor.pool.base import CallOptions, Message
-from conductor.pool.config import AgentConfig
+from conductor.pool.config import AgentConfig, load_pool
 from conductor.pool.errors import (
     AuthError,
     BadRequest,
@@ -22,6 +22,7 @@ from conductor.pool.errors import (
 from conductor.pool.grammar import grammar_schema
 from conductor.pool.openai_provider import OpenAIProvider
 from conductor.pool.registry import build_provider
+from conductor.settings import SHIPPED_POOLS_DIR
 from tests.fakes.openai_server import FakeOpenAIServer, Reply, drop, error, hang, malformed, ok
 
 KEY_ENV = "CONDUCTOR_TEST_OPENAI_KEY"
@@ -99,6 +100,17 @@ def test_messages_model_and_temperature_go_on_the_wire_unchanged(server: FakeOpe
     assert body["temperature"] == 0.7
     assert "response_format" not in body
     assert server.requests[0].path == "/v1/chat/completions"
+
+
+def test_an_agent_without_a_temperature_sends_none(server: FakeOpenAIServer) -> None:
+    # The research pool's gpt-5 is a reasoning model: the API refuses any temperature but its default.
+    gpt5 = load_pool(SHIPPED_POOLS_DIR / "research.yaml").agents["gpt-5"]
+    assert gpt5.temperature is None
+    provider = make_provider(server, temperature=gpt5.temperature)
+    provider.complete(MESSAGES, CallOptions(temperature=provider.config.temperature))
+
+    (body,) = server.bodies
+    assert "temperature" not in body and body["messages"] == [m.as_dict() for m in MESSAGES]
 
 
 @pytest.mark.parametrize(
@@ -254,6 +266,17 @@ def test_429_without_retry_after_has_no_hint(server: FakeOpenAIServer) -> None:
     err = raised_by(make_provider(server))
     assert isinstance(err, RateLimited)
     assert err.retry_after is None
+
+
+def test_429_out_of_quota_is_not_retried_and_says_what_to_fix(server: FakeOpenAIServer) -> None:
+    # OpenAI's body for an account out of credit: a 429 that waiting does not cure.
+    message = "You exceeded your current quota, please check your plan and billing details."
+    server.script(Reply(status=429, body={"error": {"message": message, "type": "insufficient_quota",
+                                                    "param": None, "code": "insufficient_quota"}}))
+    err = raised_by(make_provider(server))
+    assert not isinstance(err, RateLimited) and not err.retryable
+    assert message in str(err) and "billing" in str(err) and SECRET not in str(err)
+    assert len(server.requests) == 1
 
 
 @pytest.mark.parametrize(
