@@ -351,11 +351,15 @@ def reconcile_batches() -> dict[str, int]:
     """For the reconciler: expires batches past their window, re-drives cancellations, and ends every open
     batch whose jobs have all ended (its output would otherwise wait for someone to read the batch)."""
     with session_scope() as s:
-        expired = store.expired_open_batch_ids(s, now=utcnow())
-        open_ids = store.open_batch_ids(s)
-    for batch_id in expired:
-        cancel_batch(batch_id, expired=True)
-    ended = 0
+        past_window = store.expired_open_batch_ids(s, now=utcnow())
+    ended = expired = 0
+    for batch_id in past_window:
+        if finish_if_done(batch_id):  # its jobs all ended in time: it completed, however late we look
+            ended += 1
+        elif cancel_batch(batch_id, expired=True):
+            expired += 1
+    with session_scope() as s:
+        open_ids = store.batches_to_end(s)
     for batch_id in open_ids:
         with session_scope() as s:
             batch = store.get_batch(s, batch_id=batch_id)
@@ -363,4 +367,4 @@ def reconcile_batches() -> dict[str, int]:
             continue
         done = drive_cancelling(batch_id) if batch.status == BatchStatus.CANCELLING else finish_if_done(batch_id)
         ended += int(done)
-    return {"batches_expired": len(expired), "batches_ended": ended}
+    return {"batches_expired": expired, "batches_ended": ended}

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -343,6 +344,17 @@ def run_taken(taken: Taken, *, settings: Settings, take: Taker | None = None) ->
     """Runs the step an outcome claimed for this worker (``Dispatch.taken``): what ``run_step`` does
     after its claim transaction."""
     return _run_claimed(taken.job_id, taken.index, taken.claim, settings, take)
+
+
+def holding_taken(taken: Taken, settings: Settings) -> AbstractContextManager[None]:
+    """Keeps the lease of a step claimed for this worker while it waits to be run: one claimed to run
+    beside a task that found no local slot free waits for the task's own chain, and the reconciler must
+    not hand it to another worker meanwhile (this one would still run it: two calls). At most
+    ``max_steps`` steps' longest durations: past that the task is stuck and the lease is left to lapse."""
+    longest = settings.step_max_duration_s(
+        taken.claim.config.timeout_s if isinstance(taken.claim, _Claimed) else None)
+    return heartbeat(settings.step_lease_s).holding(taken.claim.step_id, taken.claim.owner,
+                                                    for_s=settings.max_steps * longest)
 
 
 def _run_claimed(job_id: str, index: int, claimed: _Claimed | _Refused, settings: Settings,
@@ -807,13 +819,15 @@ def finalize_job(job_id: str) -> Dispatch:
 def fail_job(
     job_id: str, *, error_type: ErrorType, message: str, step: int | None = None, plan_claim: int | None = None
 ) -> Dispatch:
-    """Fails the job with a readable error; its unfinished steps become ``skipped``; a parent step fails.
+    """Fails the job with a readable error; its unfinished steps (running ones too) become ``skipped``; a
+    parent step fails.
 
     From planning (``plan_claim`` given) only a job still in that planning claim can be failed, so a
     superseded planner cannot fail a job another planner already started.
     """
     with session_scope() as s:
-        job = store.get_job(s, job_id=job_id)
+        # Under the job row's lock, like every outcome: one committing meanwhile is in the totals.
+        job = store.get_job(s, job_id=job_id) if store.lock_job(s, job_id=job_id) is not None else None
         if job is None:
             return Dispatch()
         totals = _totals(job, store.get_steps(s, job_id=job_id))
@@ -832,7 +846,9 @@ def fail_job(
         ):
             return Dispatch()
         hooks = _webhooks_owed(s, job_id)
-        store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED, include_waiting=True)
+        # A step mid-call is closed too: its answer is dropped when the call ends and its usage joins the
+        # job's totals (``add_unrecorded_usage``), and a retryable error of it is not retried.
+        store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED)
         children = [c.id for c in store.get_children(s, job_id=job_id) if c.status not in JobStatus.TERMINAL]
         parent_id = job.parent_job_id
         if parent_id is not None:
@@ -937,7 +953,8 @@ def cancel_job(job_id: str) -> bool:
     the parent ends (failed) instead of waiting forever. Returns False when the job had already ended.
     """
     with session_scope() as s:
-        before = store.get_job(s, job_id=job_id)
+        # Under the job row's lock, like every outcome: one committing meanwhile is in the totals.
+        before = store.get_job(s, job_id=job_id) if store.lock_job(s, job_id=job_id) is not None else None
         if before is None:
             return False
         won = store.transition_job(
@@ -952,7 +969,7 @@ def cancel_job(job_id: str) -> bool:
             **_totals(before, store.get_steps(s, job_id=job_id)),
         )
         if won:
-            store.close_open_steps(s, job_id=job_id, to=StepStatus.CANCELLED, include_running=True)
+            store.close_open_steps(s, job_id=job_id, to=StepStatus.CANCELLED)
             _webhooks_owed(s, job_id)  # sent by the caller (send_webhooks_of) or the reconciler
         children = [c.id for c in store.get_children(s, job_id=job_id)]
         parent_id = before.parent_job_id if won else None

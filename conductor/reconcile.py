@@ -26,6 +26,7 @@ a job stuck planning within ``planning_stale_s + reconcile_interval_s``.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,6 +39,8 @@ from conductor.store import jobs as store
 from conductor.store import webhooks as webhook_store
 from conductor.store.db import session_scope
 from conductor.store.models import JobStatus, StepStatus, utcnow
+
+log = logging.getLogger(__name__)
 
 ENQUEUE_GRACE_S = 2.0
 WEBHOOK_BACKFILL_S = 24 * 3600.0
@@ -55,9 +58,10 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
     for orphan in orphans:
         cancel_job(orphan)
     with session_scope() as s:
-        # Running jobs are locked first (their updated_at is touched), as plan_job does: a tree's root
-        # before its children.
+        # Touched (so passes rotate through them) and committed at once: each touch locks a job row that
+        # its steps' outcomes need, so none is held while the rest of the pass reads and writes.
         running = store.running_job_ids(s, older_than=now)
+    with session_scope() as s:
         # A job committed this instant is being published by the API right now: give it a moment.
         never = store.jobs_never_enqueued(s, older_than=now - timedelta(seconds=ENQUEUE_GRACE_S))
         lost = []
@@ -69,25 +73,21 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         stuck = store.jobs_stuck_planning(s, older_than=now - timedelta(seconds=silent_s))
         for job_id in stuck:
             store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
-        resend: list[tuple[str, int]] = []
-        for job_id in running:
-            for step in store.get_steps(s, job_id=job_id):
-                overdue = (
-                    step.status == StepStatus.QUEUED
-                    and step.queued_at is not None
-                    and due(step.queued_at, step.resends, stale_s, now)
-                )
-                expired = (
-                    step.status == StepStatus.RUNNING
-                    and step.child_job_id is None
-                    and step.lease_expires_at is not None
-                    and step.lease_expires_at < now
-                )
-                if overdue or expired:
-                    resend.append((job_id, step.index))
-                    dispatch.agents[(job_id, step.index)] = step.agent
-                    if overdue and step.id is not None:
-                        store.update_step(s, step_id=step.id, queued_at=now, resends=step.resends + 1)
+    with session_scope() as s:
+        open_steps = store.open_steps(s, job_ids=running)
+    resend: list[tuple[str, int]] = []
+    for step in open_steps:
+        if step.status == StepStatus.QUEUED:
+            if step.queued_at is None or not due(step.queued_at, step.resends, stale_s, now):
+                continue
+            with session_scope() as s:  # one short transaction per re-send; a claim meanwhile wins
+                if not store.note_step_resent(s, step_id=step.id, now=now):
+                    continue
+        elif step.child_job_id is not None or step.lease_expires_at is None or step.lease_expires_at >= now:
+            continue  # running: only a step whose worker's lease expired is re-sent
+        resend.append((step.job_id, step.index))
+        dispatch.agents[(step.job_id, step.index)] = step.agent
+    with session_scope() as s:
         webhooks = _webhooks_due(s, now=now, stale_s=stale_s)
     dispatch.plan += [*never, *lost, *stuck]
     dispatch.webhooks += webhooks
@@ -105,7 +105,11 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         webhooks=len(webhooks),
         dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize) + len(dispatch.webhooks),
     )
-    report.update(reconcile_batches())
+    try:
+        report.update(reconcile_batches())
+    except Exception:  # the dispatch gathered above must still be sent; the batches are retried next pass
+        log.exception("reconciling batches failed; retrying at the next pass")
+        report["batches_error"] = True
     return report, dispatch
 
 

@@ -6,10 +6,7 @@ import random
 from dataclasses import dataclass
 
 from conductor.pool.errors import ProviderError, RateLimited
-from conductor.settings import Settings
-
-MAX_RETRY_AFTER_S = 300.0
-"""A provider's Retry-After is honoured up to this; beyond it the attempt fails as exhausted."""
+from conductor.settings import MAX_RETRY_AFTER_S, Settings
 
 
 @dataclass(frozen=True)

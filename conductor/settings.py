@@ -29,6 +29,11 @@ def _default_models_dir() -> Path:
     return Path.home() / ".cache" / "conductor-queue" / "models"
 
 
+MAX_RETRY_AFTER_S = 300.0
+"""A provider's Retry-After is honoured up to this (``conductor.retry``); beyond it the attempt fails as
+exhausted."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONDUCTOR_", env_file=".env", extra="ignore")
 
@@ -53,14 +58,21 @@ class Settings(BaseSettings):
     max_metadata_bytes: int = Field(default=16_384, ge=0)
 
     # OpenAI-compatible routes.
-    chat_max_wait_s: float = Field(default=600.0, gt=0, le=3600)
+    chat_max_wait_s: float = Field(default=540.0, gt=0, le=3600)
     """How long ``POST /v1/chat/completions`` waits for its job before answering 504 (the job runs on;
-    its id is in the error). The wait holds no database connection."""
+    its id is in the error). The wait holds no database connection. The default stays below the
+    official OpenAI SDKs' 600 s read timeout: a client that timed out first would retry the request,
+    submitting the job again, where our 504 tells it not to retry."""
     batch_max_lines: int = Field(default=1_000, ge=1, le=50_000)
     """Most requests (lines) one batch input file may hold; ``POST /v1/files`` refuses more."""
     batch_max_file_bytes: int = Field(default=10_000_000, ge=1024, le=200_000_000)
     """Largest batch input file ``POST /v1/files`` accepts (the upload is the one body allowed past
     ``max_body_bytes``; each line's own body must still fit ``max_body_bytes``)."""
+    tenant_max_files: int = Field(default=10_000, ge=1)
+    """Files a tenant may keep (batch inputs, and the output and error files of its batches); an upload
+    past it is refused (400 ``quota_exceeded``) until ``DELETE /v1/files/{id}`` makes room."""
+    tenant_max_file_bytes: int = Field(default=1_000_000_000, ge=1024)
+    """Bytes a tenant's files may take together, checked at each upload like ``tenant_max_files``."""
 
     # Execution: how long a step's claim lives without renewal before the reconciler may hand it to
     # another worker. The worker renews it every third of this while it works on the step (heartbeat),
@@ -179,10 +191,13 @@ class Settings(BaseSettings):
 
     def step_max_duration_s(self, call_timeout_s: float | None = None) -> float:
         """The longest a step may run while its worker lives: every attempt waiting its full rate-limit
-        wait, calling for its full timeout (the agent's, else ``provider_timeout_s``) and backing off the
-        longest. Past it the heartbeat stops renewing the step's lease (its call is stuck)."""
-        per_attempt = (call_timeout_s or self.provider_timeout_s) + self.rate_limit_wait_s + self.retry_backoff_max_s
-        return self.step_max_attempts * per_attempt
+        wait and calling for its full timeout (the agent's, else ``provider_timeout_s``), and between
+        attempts the longest wait the retry policy may take (a provider's Retry-After, honoured up to
+        ``MAX_RETRY_AFTER_S``, or the longest backoff). Past it the heartbeat stops renewing the step's
+        lease (its call is stuck)."""
+        per_attempt = (call_timeout_s or self.provider_timeout_s) + self.rate_limit_wait_s
+        between = max(self.retry_backoff_max_s, MAX_RETRY_AFTER_S)
+        return self.step_max_attempts * per_attempt + (self.step_max_attempts - 1) * between
 
 
 @lru_cache(maxsize=1)

@@ -13,6 +13,7 @@ class JobStatus(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     TERMINAL = nonmember(frozenset({"succeeded", "failed", "cancelled"}))
+    UNFINISHED = nonmember(frozenset({"queued", "planning", "running"}))  # an index can find these (IN, not NOT IN)
 
 
 class StepStatus(StrEnum):
@@ -21,7 +22,7 @@ class StepStatus(StrEnum):
     RUNNING = "running"  # claimed by a worker (or waiting on its child job)
     SUCCEEDED = "succeeded"
     FAILED = "failed"
-    SKIPPED = "skipped"  # never ran because the job failed first
+    SKIPPED = "skipped"  # the job failed first: never ran, or its call's answer was dropped (usage kept)
     CANCELLED = "cancelled"
     DONE = nonmember(frozenset({"succeeded", "failed", "skipped", "cancelled"}))
 

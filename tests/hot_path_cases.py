@@ -293,6 +293,27 @@ def roots_claimed_with_the_plan_are_what_their_own_claims_would_write() -> None:
     assert any(row[0] == "_Refused" and row[2] == 0 and row[9] == [] for row in tight), tight
 
 
+def a_step_reclaimed_after_its_worker_died_does_not_count_its_own_reservation() -> None:
+    """The dead claim's reservation is still on the row when the step is claimed again: the budget left
+    for the new claim is what the other steps spent or hold, not that as well (it held the whole budget)."""
+    settings = get_settings()
+    job_id = new_chain(1, limits={"max_tokens": 400})
+    assert plan_job(job_id, settings=settings, take=taker(runs=False)).steps == [(job_id, 0)]
+    first = transaction(lambda s: engine._claim(s, job_id, 0, owner="dead", task_id=None, settings=settings))
+    assert type(first).__name__ == "_Claimed"
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        assert step is not None and step.id is not None and step.reserved_tokens == 400  # all of it
+        store.update_step(s, step_id=step.id, lease_expires_at=utcnow() - timedelta(seconds=1))
+    run_step(job_id, 0, worker="survivor", task_id=None, settings=settings)
+    with session_scope() as s:
+        job, step = store.get_job(s, job_id=job_id), store.get_step(s, job_id=job_id, index=0)
+    assert job is not None and step is not None
+    assert (job.status, step.status, step.attempts, step.error_type) == (
+        JobStatus.SUCCEEDED, StepStatus.SUCCEEDED, 2, None), (job.error_message, step.error)
+    assert step.reserved_tokens == 0 and 0 < job.input_tokens + job.output_tokens <= 400
+
+
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
@@ -303,4 +324,5 @@ CASES = (
     a_step_refused_at_its_taking_fails_the_job_when_run,
     parallel_steps_are_claimed_for_the_takers_spare_slots_and_the_rest_sent,
     roots_claimed_with_the_plan_are_what_their_own_claims_would_write,
+    a_step_reclaimed_after_its_worker_died_does_not_count_its_own_reservation,
 )

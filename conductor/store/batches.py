@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
+from sqlalchemy.orm import QueryableAttribute, defer
 from sqlmodel import Session, col, select
 
 from conductor.store.models import Batch, BatchRequest, BatchStatus, Job, JobStatus, StoredFile
+
+_CONTENT = cast("QueryableAttribute[Any]", StoredFile.content)
 
 
 def insert_file(session: Session, *, file: StoredFile) -> StoredFile:
@@ -21,14 +24,30 @@ def insert_file(session: Session, *, file: StoredFile) -> StoredFile:
 
 
 def get_file(session: Session, *, file_id: str, tenant: str) -> StoredFile | None:
-    return session.exec(select(StoredFile).where(StoredFile.id == file_id, StoredFile.tenant == tenant)).first()
+    """The file's record; its content (up to ``batch_max_file_bytes``) is read only when used."""
+    stmt = select(StoredFile).where(StoredFile.id == file_id, StoredFile.tenant == tenant)
+    return session.exec(stmt.options(defer(_CONTENT))).first()
+
+
+def file_usage(session: Session, *, tenant: str) -> tuple[int, int]:
+    """(files, bytes) the tenant's files take."""
+    row = session.execute(sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(StoredFile.size_bytes), 0))
+                          .where(col(StoredFile.tenant) == tenant)).one()
+    return int(row[0]), int(row[1])
+
+
+def delete_file(session: Session, *, file_id: str, tenant: str) -> bool:
+    deleted = session.execute(sa.delete(StoredFile).where(col(StoredFile.id) == file_id,
+                                                          col(StoredFile.tenant) == tenant))
+    return bool(getattr(deleted, "rowcount", 0))
 
 
 def list_files(
     session: Session, *, tenant: str, purpose: str | None, after: str | None, limit: int, newest_first: bool = True
 ) -> list[StoredFile]:
-    """``after`` is the id of the last file of the previous page (a cursor)."""
-    stmt = select(StoredFile).where(StoredFile.tenant == tenant)
+    """``after`` is the id of the last file of the previous page (a cursor). The records only: a page of
+    a hundred files must not read a gigabyte of their content."""
+    stmt = select(StoredFile).where(StoredFile.tenant == tenant).options(defer(_CONTENT))
     if purpose is not None:
         stmt = stmt.where(StoredFile.purpose == purpose)
     if after is not None:
@@ -83,9 +102,20 @@ def list_batches(session: Session, *, tenant: str, after: str | None, limit: int
     return list(session.exec(stmt.order_by(col(Batch.created_at).desc(), col(Batch.id).desc()).limit(limit)))
 
 
-def open_batch_ids(session: Session, *, limit: int = 200) -> list[str]:
-    stmt = select(Batch.id).where(col(Batch.status).in_(list(BatchStatus.OPEN))).order_by(col(Batch.created_at))
-    return list(session.exec(stmt.limit(limit)))
+def batches_to_end(session: Session, *, limit: int = 200) -> list[str]:
+    """Open batches the reconciler can end now: every cancelling one (its cancellation is re-driven) and
+    every one in progress with no job left running. Only those are read, so a backlog of long batches
+    still running cannot crowd a finished one out of the pass."""
+    running = (
+        sa.select(sa.literal(1))
+        .select_from(Job)
+        .where(col(Job.batch_id) == col(Batch.id), col(Job.status).in_(list(JobStatus.UNFINISHED)))
+    )
+    stmt = select(Batch.id).where(
+        sa.or_(col(Batch.status) == BatchStatus.CANCELLING,
+               sa.and_(col(Batch.status) == BatchStatus.IN_PROGRESS, ~running.exists()))
+    )
+    return list(session.exec(stmt.order_by(col(Batch.created_at)).limit(limit)))
 
 
 @dataclass(frozen=True)

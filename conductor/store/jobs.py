@@ -488,19 +488,11 @@ def update_step(session: Session, *, step_id: int, **values: Any) -> None:
     session.execute(sa.update(Step).where(col(Step.id) == step_id).values(**values))
 
 
-def close_open_steps(
-    session: Session, *, job_id: str, to: str, include_running: bool = False, include_waiting: bool = False
-) -> int:
-    """Marks not-yet-finished steps ``to`` (skipped on failure, cancelled on cancel): pending and queued
-    ones; running ones too with ``include_running``; with ``include_waiting``, recursive steps that are
-    only waiting on a child job (a step mid-call is left to record what it finishes)."""
-    unfinished: sa.ColumnElement[bool] = col(Step.status).in_([StepStatus.PENDING, StepStatus.QUEUED])
-    if include_running:
-        unfinished = col(Step.status).in_([StepStatus.PENDING, StepStatus.QUEUED, StepStatus.RUNNING])
-    elif include_waiting:
-        unfinished = sa.or_(
-            unfinished, sa.and_(col(Step.status) == StepStatus.RUNNING, col(Step.child_job_id).is_not(None))
-        )
+def close_open_steps(session: Session, *, job_id: str, to: str) -> int:
+    """Marks the job's unfinished steps ``to`` (skipped on failure, cancelled on cancel): pending, queued and
+    running ones. A call still running ends with its answer dropped and its usage added to the step and the
+    job (``add_unrecorded_usage``); a recursive step's child job is cancelled by the caller."""
+    unfinished = col(Step.status).in_([StepStatus.PENDING, StepStatus.QUEUED, StepStatus.RUNNING])
     stmt = (
         sa.update(Step)
         .where(col(Step.job_id) == job_id, unfinished)
@@ -539,7 +531,8 @@ class StepInput:
 
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
     """The job's task, context, limits and pool, what its steps spent or hold reserved so far (the
-    budgets count both), this step's row and the outputs its access list lets it see. On Postgres the
+    budgets count both; this step's own reservation, a dead claim's when it is claimed again, is not
+    counted), this step's row and the outputs its access list lets it see. On Postgres the
     outputs come in the same statement (one ``jsonb_agg``); elsewhere in a second one."""
     direct = _core(session)
     row = direct.execute(_read_step_input_stmt(direct.postgres), {"p_job_id": job_id, "p_index": index}).first()
@@ -559,9 +552,14 @@ def _read_step_input_stmt(with_visible: bool) -> sa.Select[Any]:
     j, st, other = JOB, STEP, STEP.alias("other")
     job_id = sa.bindparam("p_job_id", type_=sa.String())
     mine = other.c.job_id == job_id
+    # What the other steps hold reserved, not this one: a step claimed again after its worker died still
+    # carries the dead claim's reservation, which the new claim replaces (it may have held all the budget).
+    itself = other.c.index == sa.bindparam("p_index")
+    held = sa.case((itself, 0), else_=other.c.reserved_tokens)
+    held_usd = sa.case((itself, 0.0), else_=other.c.reserved_usd)
     spent = sa.select(sa.func.coalesce(sa.func.sum(
-        other.c.input_tokens + other.c.output_tokens + other.c.reserved_tokens), 0)).where(mine).scalar_subquery()
-    spent_usd = sa.select(sa.func.coalesce(sa.func.sum(other.c.cost_usd + other.c.reserved_usd), 0.0)).where(
+        other.c.input_tokens + other.c.output_tokens + held), 0)).where(mine).scalar_subquery()
+    spent_usd = sa.select(sa.func.coalesce(sa.func.sum(other.c.cost_usd + held_usd), 0.0)).where(
         mine).scalar_subquery()
     # FILTER, not WHERE: a status condition there let Postgres's generic plan (a statement prepared once)
     # AND the job's index with the status index, a scan of every queued step's entries, dead ones
@@ -982,7 +980,8 @@ def orphaned_children(session: Session, *, limit: int = 100) -> list[str]:
     stmt = (
         sa.select(col(Job.id))
         .join(parent, col(Job.parent_job_id) == parent.id)
-        .where(col(Job.status).not_in(list(JobStatus.TERMINAL)), col(parent.status).in_(list(JobStatus.TERMINAL)))
+        .where(col(Job.status).in_(list(JobStatus.UNFINISHED)), col(Job.parent_job_id).is_not(None),
+               col(parent.status).in_(list(JobStatus.TERMINAL)))
         .limit(limit)
     )
     return list(session.execute(stmt).scalars())
@@ -1010,12 +1009,51 @@ def jobs_stuck_planning(session: Session, *, older_than: datetime, limit: int = 
 
 def running_job_ids(session: Session, *, older_than: datetime, limit: int = 500) -> list[str]:
     """Running jobs, least recently examined first; the reconciler touches each one it examines, so
-    with more than ``limit`` running jobs successive passes rotate through all of them."""
+    with more than ``limit`` running jobs successive passes rotate through all of them. The caller
+    commits at once: the touch locks those job rows, which every step outcome of theirs needs."""
     stmt = select(Job.id).where(Job.status == JobStatus.RUNNING, Job.updated_at < older_than)
     ids = list(session.exec(stmt.order_by(col(Job.updated_at)).limit(limit)))
     if ids:
         session.execute(sa.update(Job).where(col(Job.id).in_(ids)).values(updated_at=utcnow()))
     return ids
+
+
+@dataclass(frozen=True)
+class OpenStep:
+    """What the reconciler reads of a queued or running step: no messages, output or instruction."""
+
+    id: int
+    job_id: str
+    index: int
+    agent: str
+    status: str
+    queued_at: datetime | None
+    resends: int
+    lease_expires_at: datetime | None
+    child_job_id: str | None
+
+
+def open_steps(session: Session, *, job_ids: Sequence[str]) -> list[OpenStep]:
+    """The queued and running steps of these jobs, in one statement reading only the columns above."""
+    if not job_ids:
+        return []
+    cols = [col(Step.id), col(Step.job_id), col(Step.index), col(Step.agent), col(Step.status),
+            col(Step.queued_at), col(Step.resends), col(Step.lease_expires_at), col(Step.child_job_id)]
+    stmt = sa.select(*cols).where(
+        col(Step.job_id).in_(list(job_ids)), col(Step.status).in_([StepStatus.QUEUED, StepStatus.RUNNING])
+    ).order_by(col(Step.job_id), col(Step.index))
+    return [OpenStep(*row) for row in session.execute(stmt)]
+
+
+def note_step_resent(session: Session, *, step_id: int, now: datetime) -> bool:
+    """Records a queued step's re-send (``queued_at`` = now, ``resends`` + 1) if it is still queued: False
+    when a worker claimed it meanwhile (a step never returns to queued; there is nothing to re-send)."""
+    result = session.execute(
+        sa.update(Step)
+        .where(col(Step.id) == step_id, col(Step.status) == StepStatus.QUEUED)
+        .values(queued_at=now, resends=col(Step.resends) + 1)
+    )
+    return int(getattr(result, "rowcount", 0) or 0) == 1
 
 
 def _core(session: Session) -> Direct:

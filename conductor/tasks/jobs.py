@@ -6,12 +6,13 @@ import logging
 import socket
 import threading
 from concurrent.futures import Future
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
 
-from conductor.engine import Dispatch, Taken, Taker, finalize_job, plan_job, run_step, run_taken
+from conductor.engine import Dispatch, Taken, Taker, finalize_job, holding_taken, plan_job, run_step, run_taken
 from conductor.settings import Settings, get_settings
 from conductor.tasks.alongside import THREAD_PREFIX, local_slots
 from conductor.tasks.app import FINALIZE_TASK, PLAN_TASK, RECONCILE_TASK, RUN_STEP_TASK, STEPS_QUEUE, app
@@ -86,37 +87,48 @@ def _run_on(slot: _Slot, due: Dispatch, take: Taker | None = None) -> None:
 def _continue(slot: _Slot, due: Dispatch, take: Taker | None, beside: list[Future[None]]) -> None:
     settings = get_settings()
     slots = local_slots(settings.worker_local_slots)
-    later: list[Taken] = []  # claimed to run beside, but the local slots filled up meanwhile
-    while True:
-        taken, due.taken = due.taken, None
-        for step in due.alongside:
-            future = slots.start(_run_beside, slot, step)
-            if future is None:
-                later.append(step)
+    # Claimed to run beside, but the local slots filled up meanwhile: they run here after this task's own
+    # chain, their leases kept by the heartbeat while they wait (released, to lapse, if this task raises).
+    later: list[tuple[Taken, ExitStack]] = []
+    try:
+        while True:
+            taken, due.taken = due.taken, None
+            for step in due.alongside:
+                future = slots.start(_run_beside, slot, step)
+                if future is None:
+                    held = ExitStack()
+                    held.enter_context(holding_taken(step, settings))
+                    later.append((step, held))
+                    continue
+                beside.append(future)
+                log.info("task %s runs %s beside it (claimed with the transaction that made it ready; no message)",
+                         slot.task_id, step_label(step.job_id, step.index, step.agent))
+            due.alongside = []
+            if taken is None and later:
+                taken, held = later.pop(0)
+                held.close()  # its run holds the lease from here
+            if taken is not None:
+                send(due)
+                log.info("task %s continues with %s (claimed with the outcome that made it ready; no message)",
+                         slot.task_id, step_label(taken.job_id, taken.index, taken.agent))
+                due = run_taken(taken, settings=settings, take=take)
                 continue
-            beside.append(future)
-            log.info("task %s runs %s beside it (claimed with the transaction that made it ready; no message)",
-                     slot.task_id, step_label(step.job_id, step.index, step.agent))
-        due.alongside = []
-        if taken is None and later:
-            taken = later.pop(0)
-        if taken is not None:
+            mine = _step_to_continue(due, slot.consumed, settings) if settings.worker_continue_steps else None
+            if mine is None:
+                send(due)
+                return
+            due.steps.remove(mine)
             send(due)
-            log.info("task %s continues with %s (claimed with the outcome that made it ready; no message)",
-                     slot.task_id, step_label(taken.job_id, taken.index, taken.agent))
-            due = run_taken(taken, settings=settings, take=take)
-            continue
-        mine = _step_to_continue(due, slot.consumed, settings) if settings.worker_continue_steps else None
-        if mine is None:
-            send(due)
-            return
-        due.steps.remove(mine)
-        send(due)
-        job_id, index = mine
-        log.info("task %s continues with %s (made ready here; no message)", slot.task_id,
-                 step_label(job_id, index, due.agents.get(mine)))
-        take = take or slot.taker(settings)
-        due = run_step(job_id, index, worker=slot.worker(), task_id=slot.task_id, settings=settings, take=take)
+            job_id, index = mine
+            log.info("task %s continues with %s (made ready here; no message)", slot.task_id,
+                     step_label(job_id, index, due.agents.get(mine)))
+            take = take or slot.taker(settings)
+            due = run_step(job_id, index, worker=slot.worker(), task_id=slot.task_id, settings=settings, take=take)
+    finally:
+        for step, held in later:
+            log.error("task %s raised before running %s, claimed beside it; its lease lapses and the reconciler "
+                      "re-sends it", slot.task_id, step_label(step.job_id, step.index, step.agent))
+            held.close()
 
 
 def _run_beside(slot: _Slot, step: Taken) -> None:

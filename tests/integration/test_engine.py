@@ -3,11 +3,13 @@ stage on demand — a step whose worker keeps dying, a planner whose claim was s
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
+import pytest
 import sqlalchemy as sa
 
-from conductor.engine import fail_job, plan_job, run_step
+from conductor.engine import cancel_job, fail_job, plan_job, run_step
 from conductor.errors import ErrorType
 from conductor.settings import get_settings
 from conductor.store import jobs as store
@@ -115,3 +117,43 @@ def test_a_new_job_row_binds_few_enough_parameters_for_psycopg_to_cache_its_quer
         "engine", "a typical job", {"k": "v"}, "https://example.com/hook", "params-1")
     assert stored.limits["max_cost_usd"] == 1.0 and stored.answer is None and stored.batch_id is None
     assert stored.status == JobStatus.QUEUED and stored.plan_claims == 0 and stored.created_at == job.created_at
+
+
+@pytest.mark.parametrize("end", ["cancel", "fail"])
+def test_a_job_ended_while_an_outcome_commits_counts_that_outcomes_usage(end: str) -> None:
+    """An outcome holds the job row's lock while it records a step's usage; a cancel (or a failure) ending
+    the job meanwhile waits for it, so the job's totals include that step's tokens and cost."""
+    settings = get_settings()
+    job_id = new_job(workflow={"model_ids": ["a", "a"], "subtasks": ["x", "y"], "access_lists": [[], []]})
+    assert len(plan_job(job_id, settings=settings).steps) == 2
+    locked, release = threading.Event(), threading.Event()
+
+    def outcome() -> None:  # what an outcome transaction does first: lock the job row, record the step
+        with session_scope() as s:
+            store.lock_job(s, job_id=job_id)
+            step = store.get_step(s, job_id=job_id, index=0)
+            assert step is not None and step.id is not None
+            store.update_step(s, step_id=step.id, status=StepStatus.SUCCEEDED, input_tokens=1000,
+                              output_tokens=500, cost_usd=0.25, finished_at=utcnow())
+            locked.set()
+            release.wait(30)
+
+    def ending() -> None:
+        if end == "cancel":
+            cancel_job(job_id)
+        else:
+            fail_job(job_id, error_type=ErrorType.STEP_FAILED, message="step 1 failed", step=1)
+
+    recording, ender = threading.Thread(target=outcome), threading.Thread(target=ending)
+    recording.start()
+    assert locked.wait(30)
+    ender.start()
+    ender.join(timeout=1)  # it reaches the job row's lock and waits there (the outcome holds it)
+    release.set()
+    recording.join()
+    ender.join()
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+    assert job is not None and job.status in (JobStatus.CANCELLED, JobStatus.FAILED)
+    assert (job.input_tokens - job.planner_input_tokens, job.output_tokens - job.planner_output_tokens) == (1000, 500)
+    assert job.cost_usd == pytest.approx(job.planner_cost_usd + 0.25)

@@ -22,9 +22,11 @@ from sqlmodel import select
 
 from conductor.reconcile import reconcile_once
 from conductor.settings import get_settings
-from conductor.store.db import session_scope
+from conductor.store import batches as store
+from conductor.store.db import get_engine, session_scope
 from conductor.store.models import Batch, Job, utcnow
 from tests.integration.conftest import new_key
+from tests.integration.harness import start_api
 
 SIM_ANSWER = "[a] Solve the task and give the final answer."
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -172,11 +174,68 @@ def test_another_tenant_sees_404(oai: openai.OpenAI, stranger: openai.OpenAI) ->
         with pytest.raises(openai.NotFoundError) as missing:
             attempt()
         assert missing.value.code == "not_found"
+    with pytest.raises(openai.NotFoundError):
+        stranger.files.delete(uploaded.id)
     assert batch.id not in [b.id for b in stranger.batches.list()]
     assert uploaded.id not in [f.id for f in stranger.files.list()]
     ended = wait_batch(oai, batch.id)
     with pytest.raises(openai.NotFoundError):
         stranger.files.content(ended.output_file_id or "")
+    assert oai.files.retrieve(uploaded.id).id == uploaded.id  # the stranger's delete deleted nothing
+
+
+def test_a_deleted_file_is_gone_and_the_batch_made_from_it_still_ends(oai: openai.OpenAI) -> None:
+    uploaded = oai.files.create(file=("d.jsonl", jsonl([chat_line("one", "x")])), purpose="batch")
+    batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deleted = oai.files.delete(uploaded.id)
+    assert (deleted.id, deleted.deleted) == (uploaded.id, True)
+    for attempt in (lambda: oai.files.retrieve(uploaded.id), lambda: oai.files.content(uploaded.id),
+                    lambda: oai.files.delete(uploaded.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert uploaded.id not in [f.id for f in oai.files.list(limit=100)]
+    ended = wait_batch(oai, batch.id)  # its lines were read when it was created
+    assert ended.status == "completed" and [line["custom_id"] for line in lines_of(oai, ended.output_file_id)] == [
+        "one"]
+
+
+def test_uploads_past_the_tenants_file_quota_are_refused_until_files_are_deleted(
+    proc_env: dict[str, str], workers: Any
+) -> None:
+    proc, url = start_api({**proc_env, "CONDUCTOR_TENANT_MAX_FILES": "2"})
+    try:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=new_key("tenant-files-quota"), max_retries=0) as client:
+            kept = [client.files.create(file=(f"{n}.jsonl", jsonl([chat_line("a", "x")])), purpose="batch")
+                    for n in range(2)]
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.files.create(file=("3.jsonl", jsonl([chat_line("a", "x")])), purpose="batch")
+            assert refused.value.code == "quota_exceeded" and "DELETE /v1/files" in refused.value.message
+            assert [f.id for f in client.files.list()] == [f.id for f in reversed(kept)]  # nothing stored
+            client.files.delete(kept[0].id)
+            assert client.files.create(file=("3.jsonl", jsonl([chat_line("a", "x")])), purpose="batch").bytes > 0
+    finally:
+        proc.stop()
+
+
+def test_a_page_of_files_does_not_read_their_content(oai: openai.OpenAI) -> None:
+    oai.files.create(file=("big.jsonl", jsonl([chat_line("big", "x" * 50_000)])), purpose="batch")
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    engine = get_engine()
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    try:
+        with session_scope() as s:
+            page = store.list_files(s, tenant="tenant-batch", purpose=None, after=None, limit=100)
+            one = store.get_file(s, file_id=page[0].id, tenant="tenant-batch")
+            assert one is not None and one.size_bytes > 50_000
+            reads = [st for st in statements if "FROM stored_file" in st]
+            assert len(reads) == 2 and not any("stored_file.content" in st for st in reads), reads
+            assert len(one.content) == one.size_bytes  # read when used
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
 
 
 def test_cancel_ends_the_batch_with_what_finished(oai: openai.OpenAI) -> None:
@@ -233,6 +292,28 @@ def test_the_reconciler_expires_a_batch_past_its_window(oai: openai.OpenAI) -> N
     assert expired.request_counts is not None and expired.request_counts.failed == 2
     errors = lines_of(oai, expired.error_file_id)
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("e0", "batch_expired"), ("e1", "batch_expired")]
+
+
+def test_a_batch_whose_jobs_all_ended_completes_even_when_first_looked_at_past_its_window(
+        oai: openai.OpenAI) -> None:
+    line = job_line("d", {"task": "t", "workflow": {"model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}})
+    uploaded = oai.files.create(file=("d.jsonl", jsonl([line])), purpose="batch")
+    batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with session_scope() as s:
+            job = s.exec(select(Job).where(Job.batch_id == batch.id)).one()
+        if job.status == "succeeded":
+            break
+        time.sleep(0.2)
+    with session_scope() as s:  # nobody read it, and now its 24 hours are up
+        s.execute(sa.update(Batch).where(Batch.id == batch.id).values(expires_at=utcnow() - timedelta(seconds=1)))
+    report, _ = reconcile_once(get_settings())
+    assert report["batches_expired"] == 0 and report["batches_ended"] >= 1
+    ended = oai.batches.retrieve(batch.id)
+    assert ended.status == "completed" and ended.expired_at is None
+    assert ended.request_counts is not None and ended.request_counts.completed == 1
+    assert [o["custom_id"] for o in lines_of(oai, ended.output_file_id)] == ["d"]
 
 
 def test_cli_submit_batch_wait_writes_the_results(proc_env: dict[str, str], api: str, key: str, workers: Any,

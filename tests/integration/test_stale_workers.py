@@ -12,7 +12,9 @@ import sqlalchemy as sa
 from conductor.engine import _record_success, plan_job, run_step
 from conductor.lease import Heartbeat
 from conductor.pool.base import Completion
-from conductor.settings import get_settings
+from conductor.pool.errors import RateLimited
+from conductor.retry import RetryPolicy
+from conductor.settings import MAX_RETRY_AFTER_S, get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope, transaction
 from conductor.store.models import JobStatus, StepStatus, utcnow
@@ -131,8 +133,13 @@ def test_no_celery_time_limits_one_bound_in_the_engine() -> None:
     config = celery_config(settings)
     assert "task_soft_time_limit" not in config and "task_time_limit" not in config
     longest = settings.step_max_duration_s()
-    assert longest == settings.step_max_attempts * (
-        settings.provider_timeout_s + settings.rate_limit_wait_s + settings.retry_backoff_max_s)
+    attempts, policy = settings.step_max_attempts, RetryPolicy.from_settings(settings)
+    # Every attempt's call and rate-limit wait, and between attempts the longest wait the policy takes: a
+    # provider's 429 asking for the longest Retry-After it still honours.
+    slow_down = RateLimited("429", retry_after=MAX_RETRY_AFTER_S)
+    assert all(policy.should_retry(n, slow_down) for n in range(1, attempts))
+    between = max(policy.delay(1, slow_down), settings.retry_backoff_max_s)
+    assert longest >= attempts * (settings.provider_timeout_s + settings.rate_limit_wait_s) + (attempts - 1) * between
     assert config["broker_transport_options"]["visibility_timeout"] > longest  # type: ignore[index]
     assert settings.step_max_duration_s(900) > longest  # an agent's own longer timeout widens it
 

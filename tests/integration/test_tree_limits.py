@@ -56,7 +56,7 @@ def test_children_of_a_parent_that_ended_without_cancelling_them_are_cancelled_b
     with session_scope() as s:
         assert store.transition_job(s, job_id=root, from_=[JobStatus.RUNNING], to=JobStatus.FAILED,
                                     error_type="step_failed", error_message="crashed after", finished_at=utcnow())
-        store.close_open_steps(s, job_id=root, to=StepStatus.SKIPPED, include_waiting=True)
+        store.close_open_steps(s, job_id=root, to=StepStatus.SKIPPED)
 
     report, _ = reconcile_once(settings)
 

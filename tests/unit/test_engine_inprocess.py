@@ -21,7 +21,7 @@ from conductor.errors import ErrorType
 from conductor.migrations.migrate import upgrade
 from conductor.settings import Settings, get_settings
 from conductor.store import jobs as store
-from conductor.store.db import clear_engines, get_engine, session_scope
+from conductor.store.db import clear_engines, get_engine, session_scope, transaction
 from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus
 from conductor.submission import JobCreate, create_job
 from tests.hot_path_cases import CASES
@@ -37,6 +37,7 @@ agents:
   flaky: {provider: sim, options: {fail_with: [rate_limit, server], retry_after_s: 0}}
   broken: {provider: sim, options: {always_fail: true, error: server}}
   refuses: {provider: sim, options: {always_fail: true, error: bad_request}}
+  slow: {provider: sim, options: {latency_ms: 3000}}
 """
 
 
@@ -326,3 +327,69 @@ def test_steps_claimed_beside_with_no_slot_left_run_in_the_claiming_task_after_i
         steps = store.get_steps(s, job_id=job_id)
     assert job is not None and job.status == JobStatus.SUCCEEDED
     assert [(st.status, st.attempts, st.celery_task_id) for st in steps] == [(StepStatus.SUCCEEDED, 1, "task-x")] * 4
+
+
+def test_steps_waiting_for_the_claiming_task_keep_their_leases(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps claimed beside a task that found no slot free wait for its own step; the heartbeat renews
+    their leases meanwhile, or the reconciler would hand them to another worker while this one still runs
+    them after its own (two calls)."""
+    import threading
+
+    from conductor.engine import Taker
+    from conductor.tasks import jobs
+    from conductor.tasks.app import STEPS_QUEUE
+
+    monkeypatch.setenv("CONDUCTOR_WORKER_LOCAL_SLOTS", "0")
+    monkeypatch.setenv("CONDUCTOR_STEP_LEASE_S", "0.3")  # renewed every 0.1 s while held
+    get_settings.cache_clear()
+    settings = get_settings()
+    job_id = submit(settings, workflow={"model_ids": ["slow", "a", "a", "a"], "subtasks": ["x", "y", "z", "join"],
+                                        "access_lists": [[], [], [], [0, 1, 2]]})
+    slot = jobs._Slot("host", "task-x", frozenset({STEPS_QUEUE}))
+    take = Taker(worker=slot.worker(), task_id=slot.task_id, settings=settings, runs=lambda *_: True,
+                 spare=lambda: 2, beside="host/alongside")
+    due = plan_job(job_id, settings=settings, take=take)
+    assert due.taken is not None and due.taken.index == 0 and [t.index for t in due.alongside] == [1, 2]
+    _, claimed = load(job_id)
+    runner = threading.Thread(target=jobs._run_on, args=(slot, due, take))
+    runner.start()
+    renewed = False
+    while not renewed:  # until the two waiting steps' leases move past their claims', or step 0's call ends
+        _, steps = load(job_id)
+        if steps[0].status != StepStatus.RUNNING:
+            break
+        renewed = all(steps[i].lease_expires_at > claimed[i].lease_expires_at for i in (1, 2))  # type: ignore[operator]
+    runner.join()
+    assert renewed, "the steps waiting for the task's own were not kept leased while its call ran"
+    job, steps = load(job_id)
+    assert job.status == JobStatus.SUCCEEDED
+    assert [(st.status, st.attempts) for st in steps] == [(StepStatus.SUCCEEDED, 1)] * 4
+
+
+@pytest.mark.parametrize("agent", ["a", "flaky"])
+def test_a_step_mid_call_when_its_job_fails_ends_and_its_call_is_counted(settings: Settings, agent: str) -> None:
+    """Root 1 is mid-call when root 0 fails the job. Its call then ends: answered (the answer is dropped,
+    its tokens and cost join the failed job's totals) or with a retryable error (no retry for a failed
+    job); either way the step is closed, not left ``running`` forever."""
+    from conductor import engine
+
+    job_id = submit(settings, workflow={"model_ids": ["refuses", agent, "b"], "subtasks": ["x", "y", "join"],
+                                        "access_lists": [[], [], [0, 1]]})
+    assert plan_job(job_id, settings=settings).steps == [(job_id, 0), (job_id, 1)]
+    claim = transaction(lambda s: engine._claim(s, job_id, 1, owner="other", task_id=None, settings=settings))
+    assert isinstance(claim, engine._Claimed)
+    drain(Dispatch(steps=[(job_id, 0)]), settings)
+    assert load(job_id)[0].status == JobStatus.FAILED
+    engine.run_taken(engine.Taken(job_id, 1, agent, claim), settings=settings)  # the call ends now
+    job, steps = load(job_id)
+    assert [st.status for st in steps] == [StepStatus.FAILED, StepStatus.SKIPPED, StepStatus.SKIPPED]
+    assert steps[1].output is None
+    assert [a.finished_at is not None for a in attempts(steps[1])] == [True]  # its attempt is closed
+    if agent == "a":
+        assert steps[1].output_tokens > 0 and steps[1].cost_usd > 0
+    assert (job.input_tokens, job.output_tokens) == (
+        job.planner_input_tokens + sum(st.input_tokens for st in steps),
+        job.planner_output_tokens + sum(st.output_tokens for st in steps))
+    assert job.cost_usd == pytest.approx(job.planner_cost_usd + sum(st.cost_usd for st in steps))

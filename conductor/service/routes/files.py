@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from sqlmodel import Session
 
 from conductor.batches import BatchFileError, store_input_file
-from conductor.openai_wire import FileList, FileObject, FilePurpose
+from conductor.openai_wire import FileDeleted, FileList, FileObject, FilePurpose
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import OpenAIError, openai_errors
 from conductor.service.problems import http_status
@@ -64,6 +64,13 @@ def upload_file(
     filename = file.filename or "batch.jsonl"
     if unstorable(filename):
         raise OpenAIError(400, f"filename {unstorable(filename)}", param="file", code="invalid_filename")
+    files, used = store.file_usage(session, tenant=tenant)
+    if files + 1 > settings.tenant_max_files or used + len(content) > settings.tenant_max_file_bytes:
+        raise OpenAIError(
+            400, f"this tenant's {files} files take {used:,} bytes; with this one it would pass its quota of "
+            f"{settings.tenant_max_files:,} files or {settings.tenant_max_file_bytes:,} bytes "
+            "(CONDUCTOR_TENANT_MAX_FILES, CONDUCTOR_TENANT_MAX_FILE_BYTES): delete files you no longer need "
+            "(DELETE /v1/files/{file_id}) and upload again", param="file", code="quota_exceeded")
     try:
         stored = store_input_file(session, tenant=tenant, filename=filename, content=content, settings=settings)
     except BatchFileError as exc:
@@ -104,3 +111,13 @@ def get_file_content(file_id: str, session: SessionDep, tenant: TenantDep) -> Re
     file = file_or_404(session, file_id, tenant)
     return Response(file.content, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{file.id}.jsonl"'})
+
+
+@router.delete("/v1/files/{file_id}", responses=openai_errors(401, 404, 503))
+def delete_file(file_id: str, session: SessionDep, tenant: TenantDep) -> FileDeleted:
+    """Deletes the file and its content. A batch created from an input file no longer needs it; a batch's
+    output or error file, once deleted, is gone from the batch too (its content answers 404)."""
+    file = file_or_404(session, file_id, tenant)
+    deleted = store.delete_file(session, file_id=file.id, tenant=tenant)
+    session.commit()
+    return FileDeleted(id=file.id, deleted=deleted)
