@@ -37,6 +37,7 @@ class ErrorType(StrEnum):
     RATE_LIMITER_UNAVAILABLE = "rate_limiter_unavailable"
     BAD_REQUEST = "bad_request"
     AUTH_ERROR = "auth_error"
+    QUOTA_EXHAUSTED = "provider_quota_exhausted"  # a 429 meaning the account is out of quota or credit
     CONFIG_ERROR = "config_error"
     # the job's own limits
     BUDGET_EXCEEDED = "budget_exceeded"

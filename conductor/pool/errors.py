@@ -68,7 +68,7 @@ class QuotaExhausted(FatalError):
     """A 429 that is not a rate limit: the account's quota or credit is used up (OpenAI's
     ``insufficient_quota``). Waiting does not refill it: fix the billing or the key."""
 
-    error_type = ErrorType.PROVIDER_ERROR
+    error_type = ErrorType.QUOTA_EXHAUSTED
 
 
 class ConfigError(FatalError):

@@ -274,7 +274,7 @@ def test_429_out_of_quota_is_not_retried_and_says_what_to_fix(server: FakeOpenAI
     server.script(Reply(status=429, body={"error": {"message": message, "type": "insufficient_quota",
                                                     "param": None, "code": "insufficient_quota"}}))
     err = raised_by(make_provider(server))
-    assert not isinstance(err, RateLimited) and not err.retryable
+    assert not isinstance(err, RateLimited) and not err.retryable and err.error_type == "provider_quota_exhausted"
     assert message in str(err) and "billing" in str(err) and SECRET not in str(err)
     assert len(server.requests) == 1
 
