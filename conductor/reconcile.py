@@ -20,7 +20,8 @@ Every re-send is safe to duplicate: plan, claim and finalize are conditional upd
 
 Recovery bound: stalled work is first re-sent within ``reconcile_stale_s + reconcile_interval_s`` of
 stalling (later re-sends of the same message back off exponentially); a crashed worker's step within
-``step_lease_s + reconcile_interval_s`` (its lease is renewed by a heartbeat only while its worker lives);
+``step_lease_s + reconcile_interval_s`` (its lease is renewed by a heartbeat only while its worker lives;
+while no worker claims it, its later re-sends back off the same way);
 a job stuck planning within ``planning_stale_s + reconcile_interval_s``.
 """
 
@@ -77,14 +78,13 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         open_steps = store.open_steps(s, job_ids=running)
     resend: list[tuple[str, int]] = []
     for step in open_steps:
-        if step.status == StepStatus.QUEUED:
-            if step.queued_at is None or not due(step.queued_at, step.resends, stale_s, now):
-                continue
-            with session_scope() as s:  # one short transaction per re-send; a claim meanwhile wins
-                if not store.note_step_resent(s, step_id=step.id, now=now):
-                    continue
-        elif step.child_job_id is not None or step.lease_expires_at is None or step.lease_expires_at >= now:
-            continue  # running: only a step whose worker's lease expired is re-sent
+        if not resend_due(step, now=now, stale_s=stale_s):
+            continue
+        with session_scope() as s:  # one short transaction per re-send; a claim meanwhile wins
+            noted = (store.note_step_resent(s, step_id=step.id, now=now) if step.status == StepStatus.QUEUED
+                     else store.note_lease_resent(s, step_id=step.id, now=now))
+        if not noted:
+            continue
         resend.append((step.job_id, step.index))
         dispatch.agents[(step.job_id, step.index)] = step.agent
     with session_scope() as s:
@@ -127,6 +127,19 @@ def _webhooks_due(s: Session, *, now: datetime, stale_s: float) -> list[str]:
             owed.append(delivery.id)
             webhook_store.note_resend(s, delivery_id=delivery.id, resends=delivery.resends + 1, sent_at=now)
     return owed
+
+
+def resend_due(step: store.OpenStep, *, now: datetime, stale_s: float) -> bool:
+    """Whether a queued or running step's message should be re-sent now. A queued one: when it has waited
+    ``due``. A running one only once its worker's lease expired (a recursive step waiting on its child
+    has none): at once after each expiry, then backing off like a queued one while no worker claims it."""
+    if step.status == StepStatus.QUEUED:
+        return step.queued_at is not None and due(step.queued_at, step.resends, stale_s, now)
+    if step.child_job_id is not None or step.lease_expires_at is None or step.lease_expires_at >= now:
+        return False
+    if step.resent_at is None or step.resent_at < step.lease_expires_at:
+        return True  # not re-sent since this lease expired
+    return due(step.resent_at, step.resends, stale_s, now)
 
 
 def due(last_sent: datetime, resends: int, stale_s: float, now: datetime) -> bool:

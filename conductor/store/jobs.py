@@ -1030,6 +1030,7 @@ class OpenStep:
     queued_at: datetime | None
     resends: int
     lease_expires_at: datetime | None
+    resent_at: datetime | None
     child_job_id: str | None
 
 
@@ -1038,7 +1039,8 @@ def open_steps(session: Session, *, job_ids: Sequence[str]) -> list[OpenStep]:
     if not job_ids:
         return []
     cols = [col(Step.id), col(Step.job_id), col(Step.index), col(Step.agent), col(Step.status),
-            col(Step.queued_at), col(Step.resends), col(Step.lease_expires_at), col(Step.child_job_id)]
+            col(Step.queued_at), col(Step.resends), col(Step.lease_expires_at), col(Step.resent_at),
+            col(Step.child_job_id)]
     stmt = sa.select(*cols).where(
         col(Step.job_id).in_(list(job_ids)), col(Step.status).in_([StepStatus.QUEUED, StepStatus.RUNNING])
     ).order_by(col(Step.job_id), col(Step.index))
@@ -1052,6 +1054,17 @@ def note_step_resent(session: Session, *, step_id: int, now: datetime) -> bool:
         sa.update(Step)
         .where(col(Step.id) == step_id, col(Step.status) == StepStatus.QUEUED)
         .values(queued_at=now, resends=col(Step.resends) + 1)
+    )
+    return int(getattr(result, "rowcount", 0) or 0) == 1
+
+
+def note_lease_resent(session: Session, *, step_id: int, now: datetime) -> bool:
+    """Records the re-send of a running step whose lease expired (``resent_at`` = now, ``resends`` + 1) if
+    its lease is still expired: False when a worker claimed it meanwhile (a fresh lease)."""
+    result = session.execute(
+        sa.update(Step)
+        .where(col(Step.id) == step_id, col(Step.status) == StepStatus.RUNNING, col(Step.lease_expires_at) < now)
+        .values(resent_at=now, resends=col(Step.resends) + 1)
     )
     return int(getattr(result, "rowcount", 0) or 0) == 1
 

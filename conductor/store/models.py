@@ -189,6 +189,9 @@ class Step(SQLModel, table=True):
     """A replayed step that did not run again: the original step whose messages and output it copies."""
     lease_owner: str | None = Field(default=None, max_length=128)
     lease_expires_at: datetime | None = _ts()
+    resent_at: datetime | None = _ts()
+    """When the reconciler last re-sent this step after its lease expired (a dead worker's step): the first
+    re-send after an expiry goes at once, later ones back off like a queued step's (``resends``)."""
     queued_at: datetime | None = _ts()
     started_at: datetime | None = _ts()
     finished_at: datetime | None = _ts()

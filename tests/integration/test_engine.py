@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 from conductor.engine import cancel_job, fail_job, plan_job, run_step
 from conductor.errors import ErrorType
+from conductor.reconcile import reconcile_once
 from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
@@ -157,3 +158,33 @@ def test_a_job_ended_while_an_outcome_commits_counts_that_outcomes_usage(end: st
     assert job is not None and job.status in (JobStatus.CANCELLED, JobStatus.FAILED)
     assert (job.input_tokens - job.planner_input_tokens, job.output_tokens - job.planner_output_tokens) == (1000, 500)
     assert job.cost_usd == pytest.approx(job.planner_cost_usd + 0.25)
+
+
+def test_a_dead_workers_step_is_re_sent_once_per_expiry_not_at_every_pass() -> None:
+    settings = get_settings()
+    job_id = new_job(workflow={"model_ids": ["a"], "subtasks": ["s"], "access_lists": [[]]})
+    plan_job(job_id, settings=settings)
+
+    def examined_first() -> None:  # the pass examines the least recently examined running jobs first
+        with get_engine(settings.database_url).begin() as conn:
+            conn.execute(sa.text("UPDATE job SET updated_at = :t WHERE id = :id"),
+                         {"t": utcnow() - timedelta(days=3650), "id": job_id})
+
+    with session_scope() as s:  # its worker claimed it, then died: the lease ran out
+        step = store.get_step(s, job_id=job_id, index=0)
+        assert step is not None and step.id is not None
+        store.update_step(s, step_id=step.id, status=StepStatus.RUNNING, lease_owner="dead#1",
+                          lease_expires_at=utcnow() - timedelta(seconds=1))
+    sent = []
+    for _ in range(3):
+        examined_first()
+        _, dispatch = reconcile_once(settings)
+        sent.append((job_id, 0) in dispatch.steps)
+    assert sent == [True, False, False]  # at once, then not again before the backoff
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        assert step is not None and step.resends == 1 and step.resent_at is not None
+        store.update_step(s, step_id=step.id, resent_at=step.resent_at - timedelta(
+            seconds=2 * settings.reconcile_stale_s))  # its backoff (2 x stale) has passed, still unclaimed
+    examined_first()
+    assert (job_id, 0) in reconcile_once(settings)[1].steps

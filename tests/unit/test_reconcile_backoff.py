@@ -1,10 +1,12 @@
-"""The reconciler re-sends a waiting message a logarithmic number of times, not once per pass."""
+"""The reconciler re-sends a waiting message a logarithmic number of times, not once per pass: a queued
+step's, and a running step's whose worker died and that no worker claims."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from conductor.reconcile import due
+from conductor.reconcile import due, resend_due
+from conductor.store.jobs import OpenStep
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -28,3 +30,29 @@ def test_a_ten_minute_backlog_costs_few_duplicates() -> None:
         if due(sent, resends, 30, now):
             sent, resends = now, resends + 1
     assert resends == 4  # at 30 s, 90 s, 210 s, 450 s -- not 20 (one per 30 s)
+
+
+def step(status: str = "running", *, lease: datetime | None = T0, resent: datetime | None = None,
+         resends: int = 0, child: str | None = None, queued: datetime | None = T0) -> OpenStep:
+    return OpenStep(id=1, job_id="j", index=0, agent="a", status=status, queued_at=queued, resends=resends,
+                    lease_expires_at=lease, resent_at=resent, child_job_id=child)
+
+
+def test_a_dead_workers_step_is_re_sent_at_once_then_backs_off() -> None:
+    later = T0 + timedelta(seconds=1)
+    assert not resend_due(step(lease=T0 + timedelta(seconds=5)), now=later, stale_s=30)  # its worker lives
+    assert resend_due(step(), now=later, stale_s=30)  # the lease expired: at once
+    # Re-sent at `later` (resends 1) and still unclaimed: the next re-send waits 2 x 30 s from then.
+    waiting = step(resent=later, resends=1)
+    assert not resend_due(waiting, now=later + timedelta(seconds=59), stale_s=30)
+    assert resend_due(waiting, now=later + timedelta(seconds=60), stale_s=30)
+    # Claimed again and that worker died too (a newer lease, expired): at once again.
+    again = step(lease=later + timedelta(seconds=300), resent=later, resends=1)
+    assert resend_due(again, now=later + timedelta(seconds=301), stale_s=30)
+    # A recursive step waits on its child job: never re-sent.
+    assert not resend_due(step(child="child-job"), now=later, stale_s=30)
+
+
+def test_a_queued_step_is_re_sent_when_it_has_waited() -> None:
+    assert not resend_due(step("queued", lease=None), now=T0 + timedelta(seconds=29), stale_s=30)
+    assert resend_due(step("queued", lease=None), now=T0 + timedelta(seconds=30), stale_s=30)
