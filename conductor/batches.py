@@ -34,6 +34,7 @@ from conductor.openai_wire import (
 )
 from conductor.settings import Settings
 from conductor.store import batches as store
+from conductor.store import jobs as jobs_store
 from conductor.store.db import session_scope
 from conductor.store.models import Batch, BatchRequest, BatchStatus, Job, JobStatus, StoredFile, utcnow
 from conductor.submission import JobCreate, SubmissionError, create_job, unstorable
@@ -273,19 +274,24 @@ def render_results(session: Session, batch: Batch) -> tuple[list[str], list[str]
     output: list[str] = []
     errors: list[str] = []
     expired = batch.expired_at is not None
-    for request, job in store.batch_lines(session, batch_id=batch.id):
-        line = _result_line(batch, request, job, expired=expired)
+    lines = store.batch_lines(session, batch_id=batch.id)
+    reasons = (jobs_store.answer_finish_reasons(session, job_ids=[job.id for _, job in lines if job is not None])
+               if batch.endpoint == CHAT_ENDPOINT else {})
+    for request, job in lines:
+        line = _result_line(batch, request, job, expired=expired, reasons=reasons)
         (output if line.error is None else errors).append(line.model_dump_json())
     return output, errors
 
 
-def _result_line(batch: Batch, request: BatchRequest, job: Job | None, *, expired: bool) -> BatchOutputLine:
+def _result_line(batch: Batch, request: BatchRequest, job: Job | None, *, expired: bool,
+                 reasons: dict[str, str | None]) -> BatchOutputLine:
     line_id = f"batch_req_{uuid.uuid4().hex}"
     if job is None:
         error = BatchLineError(code=request.error_code or "invalid_request", message=request.error or "")
         return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=None, error=error)
     if job.status == JobStatus.SUCCEEDED:
-        body = (completion(job, model_of(job)).model_dump(mode="json") if batch.endpoint == CHAT_ENDPOINT
+        body = (completion(job, model_of(job), reasons.get(job.id)).model_dump(mode="json")
+                if batch.endpoint == CHAT_ENDPOINT
                 else job_result(job))
         response = BatchResponse(status_code=200, request_id=job.id, body=body)
         return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=response, error=None)

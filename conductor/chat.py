@@ -9,7 +9,7 @@ planner sees as earlier work -- the same way a recursive step hands its visible 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from conductor.errors import Rejection
 from conductor.openai_wire import (
@@ -92,16 +92,24 @@ def chat_job(request: ChatCompletionRequest, settings: Settings) -> ChatJob:
     return ChatJob(body=body, context=context)
 
 
-def completion(job: Job, model: str) -> ChatCompletion:
-    """A succeeded job as a ``chat.completion``; usage counts every call of the job, the planner's too."""
+def completion(job: Job, model: str, answer_finish_reason: str | None = None) -> ChatCompletion:
+    """A succeeded job as a ``chat.completion``; usage counts every call of the job, the planner's too.
+    ``answer_finish_reason``: why the step whose output is the answer stopped (``store.answer_finish_reasons``)."""
     return ChatCompletion(
         id=job.id,
         created=int(job.created_at.timestamp()),
         model=model,
-        choices=[Choice(message=AssistantMessage(content=job.answer or ""))],
+        choices=[Choice(message=AssistantMessage(content=job.answer or ""),
+                        finish_reason=finish_reason(answer_finish_reason))],
         usage=usage(job),
         conductor=job_ref(job),
     )
+
+
+def finish_reason(answer_finish_reason: str | None) -> Literal["stop", "length"]:
+    """``length`` when the answering step was cut at its token limit (every provider reports that as
+    ``length``), else ``stop``."""
+    return "length" if answer_finish_reason == "length" else "stop"
 
 
 def usage(job: Job) -> CompletionUsage:

@@ -1058,6 +1058,30 @@ def note_step_resent(session: Session, *, step_id: int, now: datetime) -> bool:
     return int(getattr(result, "rowcount", 0) or 0) == 1
 
 
+def step_states(session: Session, *, job_id: str) -> list[dict[str, Any]]:
+    """``{index, agent, status}`` of each of the job's steps, in order, reading only those columns (a chat
+    stream polls it; the steps' messages and outputs can be large)."""
+    stmt = (sa.select(col(Step.index), col(Step.agent), col(Step.status))
+            .where(col(Step.job_id) == job_id).order_by(col(Step.index)))
+    return [{"index": index, "agent": agent, "status": status} for index, agent, status in session.execute(stmt)]
+
+
+def answer_finish_reasons(session: Session, *, job_ids: Sequence[str]) -> dict[str, str | None]:
+    """Why the last step of each job (the one whose output is its answer) stopped: ``stop``, ``length``
+    (cut at its token limit), ... One statement; no messages or outputs read."""
+    if not job_ids:
+        return {}
+    last = (
+        sa.select(col(Step.job_id).label("job_id"), sa.func.max(col(Step.index)).label("last"))
+        .where(col(Step.job_id).in_(list(job_ids)))
+        .group_by(col(Step.job_id))
+        .subquery()
+    )
+    stmt = sa.select(col(Step.job_id), col(Step.finish_reason)).join(
+        last, sa.and_(col(Step.job_id) == last.c.job_id, col(Step.index) == last.c.last))
+    return {job_id: reason for job_id, reason in session.execute(stmt)}
+
+
 def note_lease_resent(session: Session, *, step_id: int, now: datetime) -> bool:
     """Records the re-send of a running step whose lease expired (``resent_at`` = now, ``resends`` + 1) if
     its lease is still expired: False when a worker claimed it meanwhile (a fresh lease)."""

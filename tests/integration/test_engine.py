@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import sqlalchemy as sa
 
+from conductor.chat import completion
 from conductor.engine import cancel_job, fail_job, plan_job, run_step
 from conductor.errors import ErrorType
 from conductor.reconcile import reconcile_once
@@ -188,3 +189,26 @@ def test_a_dead_workers_step_is_re_sent_once_per_expiry_not_at_every_pass() -> N
             seconds=2 * settings.reconcile_stale_s))  # its backoff (2 x stale) has passed, still unclaimed
     examined_first()
     assert (job_id, 0) in reconcile_once(settings)[1].steps
+
+
+def test_an_answer_cut_at_its_token_limit_is_a_chat_completion_finishing_with_length() -> None:
+    """The cost budget leaves the last step room for about 70 output tokens of the ~120 its answer
+    needs: the sim agent stops there, as a provider does, with finish_reason ``length``."""
+    settings = get_settings()
+    ids = {}
+    for name, limits in (("cut", {"max_cost_usd": 0.0003}), ("whole", {})):
+        ids[name] = new_job(workflow={"model_ids": ["b", "a"], "subtasks": ["first", "Say hello at length. " * 20],
+                                      "access_lists": [[], []]}, limits=limits)
+        plan_job(ids[name], settings=settings)
+        run_step(ids[name], 0, worker="w", task_id=None, settings=settings)
+        run_step(ids[name], 1, worker="w", task_id=None, settings=settings)
+    with session_scope() as s:
+        reasons = store.answer_finish_reasons(s, job_ids=list(ids.values()))
+        jobs = {name: store.get_job(s, job_id=job_id) for name, job_id in ids.items()}
+    assert reasons == {ids["cut"]: "length", ids["whole"]: "stop"}
+    for name, job in jobs.items():
+        assert job is not None and job.status == JobStatus.SUCCEEDED
+        reply = completion(job, "conductor", reasons[job.id])
+        assert reply.choices[0].finish_reason == ("length" if name == "cut" else "stop")
+        assert reply.choices[0].message.content == job.answer
+    assert len(jobs["cut"].answer or "") < len(jobs["whole"].answer or "")

@@ -13,14 +13,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
-from conductor.chat import ChatRequestError, chat_job, completion, job_ref, model_list, usage
+from conductor.chat import ChatRequestError, chat_job, completion, finish_reason, job_ref, model_list, usage
 from conductor.openai_wire import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -118,7 +118,7 @@ async def _answer(body: ChatCompletionRequest, response: Response, settings: Set
         status, message, code = _not_answered(job_id, job, settings)
         raise OpenAIError(status, message, code=code, headers={**headers, **NO_RETRY})
     response.headers[JOB_HEADER] = job_id
-    return completion(job, body.model)
+    return completion(job, body.model, await run_in_threadpool(_answer_finish_reason, job_id, settings.database_url))
 
 
 def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str:
@@ -144,13 +144,17 @@ def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str
     return job.id
 
 
-def _load(job_id: str, database_url: str) -> tuple[Job, list[dict[str, Any]]]:
+def _load(job_id: str, database_url: str, *, steps: bool = True) -> tuple[Job, list[dict[str, Any]]]:
+    """The job, and (``steps``) each step's index, agent and status: a stream's progress."""
     with Session(get_engine(database_url), expire_on_commit=False) as session:
         job = store.get_job(session, job_id=job_id)
         assert job is not None
-        steps = [{"index": st.index, "agent": st.agent, "status": st.status}
-                 for st in store.get_steps(session, job_id=job_id)]
-        return job, steps
+        return job, store.step_states(session, job_id=job_id) if steps else []
+
+
+def _answer_finish_reason(job_id: str, database_url: str) -> str | None:
+    with Session(get_engine(database_url), expire_on_commit=False) as session:
+        return store.answer_finish_reasons(session, job_ids=[job_id]).get(job_id)
 
 
 async def _wait_for_end(job_id: str, settings: Settings) -> Job | None:
@@ -158,7 +162,7 @@ async def _wait_for_end(job_id: str, settings: Settings) -> Job | None:
     started = time.monotonic()
     deadline = started + settings.chat_max_wait_s
     while True:
-        job, _ = await run_in_threadpool(_load, job_id, settings.database_url)
+        job, _ = await run_in_threadpool(lambda: _load(job_id, settings.database_url, steps=False))
         if job.status in JobStatus.TERMINAL:
             return job
         now = time.monotonic()
@@ -197,15 +201,17 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 async def _stream(job_id: str, model: str, settings: Settings, *, include_usage: bool) -> AsyncIterator[str]:
     """Chunks: the assistant role first; then, while the job runs, an empty-content chunk whose
-    ``conductor`` field names each job or step status change; the answer; ``finish_reason: stop``; the
+    ``conductor`` field names each job or step status change; the answer; ``finish_reason`` (``stop``, or
+    ``length`` when the answering step was cut at its token limit); the
     usage (with ``stream_options.include_usage``); ``[DONE]``. A job that fails or outlasts the wait
     ends the stream with an OpenAI error event instead of the answer."""
     created = int(time.time())
 
-    def chunk(delta: Delta, job: Job, *, step: dict[str, Any] | None = None, finish: bool = False) -> str:
+    def chunk(delta: Delta, job: Job, *, step: dict[str, Any] | None = None,
+              finish: Literal["stop", "length"] | None = None) -> str:
         message = ChatCompletionChunk(
             id=job_id, created=created, model=model,
-            choices=[ChunkChoice(delta=delta, finish_reason="stop" if finish else None)],
+            choices=[ChunkChoice(delta=delta, finish_reason=finish)],
             conductor=job_ref(job, step),
         )
         return _sse(_chunk_json(message))
@@ -238,7 +244,8 @@ async def _stream(job_id: str, model: str, settings: Settings, *, include_usage:
         await asyncio.sleep(STREAM_POLL_S)
     if job.status == JobStatus.SUCCEEDED:
         yield chunk(Delta(content=job.answer or ""), job)
-        yield chunk(Delta(), job, finish=True)
+        reason = await run_in_threadpool(_answer_finish_reason, job_id, settings.database_url)
+        yield chunk(Delta(), job, finish=finish_reason(reason))
         if include_usage:
             final = ChatCompletionChunk(id=job_id, created=created, model=model, choices=[], usage=usage(job),
                                         conductor=job_ref(job))
