@@ -275,8 +275,7 @@ def render_results(session: Session, batch: Batch) -> tuple[list[str], list[str]
     errors: list[str] = []
     expired = batch.expired_at is not None
     lines = store.batch_lines(session, batch_id=batch.id)
-    reasons = (jobs_store.answer_finish_reasons(session, job_ids=[job.id for _, job in lines if job is not None])
-               if batch.endpoint == CHAT_ENDPOINT else {})
+    reasons = jobs_store.answer_finish_reasons(session, batch_id=batch.id) if batch.endpoint == CHAT_ENDPOINT else {}
     for request, job in lines:
         line = _result_line(batch, request, job, expired=expired, reasons=reasons)
         (output if line.error is None else errors).append(line.model_dump_json())

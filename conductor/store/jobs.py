@@ -1066,14 +1066,21 @@ def step_states(session: Session, *, job_id: str) -> list[dict[str, Any]]:
     return [{"index": index, "agent": agent, "status": status} for index, agent, status in session.execute(stmt)]
 
 
-def answer_finish_reasons(session: Session, *, job_ids: Sequence[str]) -> dict[str, str | None]:
+def answer_finish_reasons(
+    session: Session, *, job_ids: Sequence[str] = (), batch_id: str | None = None
+) -> dict[str, str | None]:
     """Why the last step of each job (the one whose output is its answer) stopped: ``stop``, ``length``
-    (cut at its token limit), ... One statement; no messages or outputs read."""
-    if not job_ids:
+    (cut at its token limit), ... Of these jobs, or of every job of a batch. One statement; no messages
+    or outputs read."""
+    if batch_id is not None:
+        jobs: Any = col(Step.job_id).in_(sa.select(col(Job.id)).where(col(Job.batch_id) == batch_id))
+    elif job_ids:
+        jobs = col(Step.job_id).in_(list(job_ids))
+    else:
         return {}
     last = (
         sa.select(col(Step.job_id).label("job_id"), sa.func.max(col(Step.index)).label("last"))
-        .where(col(Step.job_id).in_(list(job_ids)))
+        .where(jobs)
         .group_by(col(Step.job_id))
         .subquery()
     )

@@ -206,6 +206,12 @@ def test_an_answer_cut_at_its_token_limit_is_a_chat_completion_finishing_with_le
         reasons = store.answer_finish_reasons(s, job_ids=list(ids.values()))
         jobs = {name: store.get_job(s, job_id=job_id) for name, job_id in ids.items()}
     assert reasons == {ids["cut"]: "length", ids["whole"]: "stop"}
+    batch_id = f"batch_reasons_{ids['cut']}"  # a batch's output file reads them for all its lines at once
+    with get_engine(settings.database_url).begin() as conn:
+        conn.execute(sa.text("UPDATE job SET batch_id = :b WHERE id IN (:c, :w)"),
+                     {"b": batch_id, "c": ids["cut"], "w": ids["whole"]})
+    with session_scope() as s:
+        assert store.answer_finish_reasons(s, batch_id=batch_id) == reasons
     for name, job in jobs.items():
         assert job is not None and job.status == JobStatus.SUCCEEDED
         reply = completion(job, "conductor", reasons[job.id])
