@@ -358,18 +358,27 @@ def reconcile_batches() -> dict[str, int]:
     with session_scope() as s:
         past_window = store.expired_open_batch_ids(s, now=utcnow())
     ended = expired = 0
+    failed = 0
     for batch_id in past_window:
-        if finish_if_done(batch_id):  # its jobs all ended in time: it completed, however late we look
-            ended += 1
-        elif cancel_batch(batch_id, expired=True):
-            expired += 1
+        try:
+            if finish_if_done(batch_id):  # its jobs have all ended (by this pass): it completed
+                ended += 1
+            elif cancel_batch(batch_id, expired=True):
+                expired += 1
+        except Exception:  # one batch's fault must not stop the others
+            failed += 1
+            log.exception("expiring batch %s failed; retrying at the next pass", batch_id)
     with session_scope() as s:
         open_ids = store.batches_to_end(s)
     for batch_id in open_ids:
-        with session_scope() as s:
-            batch = store.get_batch(s, batch_id=batch_id)
-        if batch is None:
-            continue
-        done = drive_cancelling(batch_id) if batch.status == BatchStatus.CANCELLING else finish_if_done(batch_id)
-        ended += int(done)
-    return {"batches_expired": expired, "batches_ended": ended}
+        try:
+            with session_scope() as s:
+                batch = store.get_batch(s, batch_id=batch_id)
+            if batch is None:
+                continue
+            cancelling = batch.status == BatchStatus.CANCELLING
+            ended += int(drive_cancelling(batch_id) if cancelling else finish_if_done(batch_id))
+        except Exception:
+            failed += 1
+            log.exception("ending batch %s failed; retrying at the next pass", batch_id)
+    return {"batches_expired": expired, "batches_ended": ended, "batches_failed": failed}

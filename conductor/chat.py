@@ -9,7 +9,7 @@ planner sees as earlier work -- the same way a recursive step hands its visible 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from conductor.errors import Rejection
 from conductor.openai_wire import (
@@ -18,6 +18,7 @@ from conductor.openai_wire import (
     ChatCompletionRequest,
     Choice,
     CompletionUsage,
+    FinishReason,
     JobRef,
     ModelObject,
 )
@@ -106,10 +107,12 @@ def completion(job: Job, model: str, answer_finish_reason: str | None = None) ->
     )
 
 
-def finish_reason(answer_finish_reason: str | None) -> Literal["stop", "length"]:
-    """``length`` when the answering step was cut at its token limit (every provider reports that as
-    ``length``), else ``stop``."""
-    return "length" if answer_finish_reason == "length" else "stop"
+def finish_reason(answer_finish_reason: str | None) -> FinishReason:
+    """``length`` when the answering step was cut at its token limit, ``content_filter`` when its provider
+    withheld the answer (every provider reports these in OpenAI's words), else ``stop``."""
+    if answer_finish_reason == "length":
+        return "length"
+    return "content_filter" if answer_finish_reason == "content_filter" else "stop"
 
 
 def usage(job: Job) -> CompletionUsage:

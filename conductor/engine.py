@@ -927,7 +927,7 @@ def _settle_parent_step(
         "latency_ms": latency,
     }
     if succeeded:
-        values.update(output=answer, finish_reason="child_succeeded")
+        values.update(output=answer, finish_reason=store.CHILD_SUCCEEDED)
         store.finish_step(s, step_id=step.id, from_=[StepStatus.RUNNING], to=StepStatus.SUCCEEDED, **values)
     else:
         values.update(error_type=ErrorType.CHILD_JOB_FAILED, error=f"child job {child.id} failed: {error}")

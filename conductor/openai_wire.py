@@ -19,6 +19,9 @@ MAX_CONTENT_PARTS = 64
 MAX_METADATA_PAIRS = 16
 MAX_MODEL_CHARS = 256
 
+FinishReason = Literal["stop", "length", "content_filter"]
+"""Why the answer ended: ``length`` cut at a token limit, ``content_filter`` withheld by the provider."""
+
 
 # --- chat completions: request ----------------------------------------------------------------------
 
@@ -102,7 +105,7 @@ class AssistantMessage(BaseModel):
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] = "stop"
+    finish_reason: FinishReason = "stop"
     logprobs: None = None
 
 
@@ -140,7 +143,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: None = None
 
 

@@ -81,8 +81,9 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         if not resend_due(step, now=now, stale_s=stale_s):
             continue
         with session_scope() as s:  # one short transaction per re-send; a claim meanwhile wins
-            noted = (store.note_step_resent(s, step_id=step.id, now=now) if step.status == StepStatus.QUEUED
-                     else store.note_lease_resent(s, step_id=step.id, now=now))
+            noted = (store.note_step_resent(s, step_id=step.id, resends=step.resends, now=now)
+                     if step.status == StepStatus.QUEUED
+                     else store.note_lease_resent(s, step_id=step.id, resends=step.resends, now=now))
         if not noted:
             continue
         resend.append((step.job_id, step.index))
@@ -92,9 +93,14 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
     dispatch.plan += [*never, *lost, *stuck]
     dispatch.webhooks += webhooks
     dispatch.steps += resend
+    failed = 0
     for job_id in running:
-        dispatch += settle_from_children(job_id)
-        dispatch += advance(job_id)
+        try:
+            dispatch += settle_from_children(job_id)
+            dispatch += advance(job_id)
+        except Exception:  # one job's fault must not cost the others their re-sends (sent by the caller)
+            failed += 1
+            log.exception("reconciling job %s failed; retrying at the next pass", job_id)
     report.update(
         never_enqueued=len(never),
         lost_plan=len(lost),
@@ -102,6 +108,7 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         orphans_cancelled=len(orphans),
         running_jobs=len(running),
         resent_steps=len(resend),
+        jobs_failed_to_reconcile=failed,
         webhooks=len(webhooks),
         dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize) + len(dispatch.webhooks),
     )
@@ -139,7 +146,11 @@ def resend_due(step: store.OpenStep, *, now: datetime, stale_s: float) -> bool:
         return False
     if step.resent_at is None or step.resent_at < step.lease_expires_at:
         return True  # not re-sent since this lease expired
-    return due(step.resent_at, step.resends, stale_s, now)
+    # Wait as long as the lease had been expired at the last re-send (at least stale_s, at most 64x): the
+    # waits double from this expiry on, whatever the step's earlier re-sends.
+    since_expiry = (step.resent_at - step.lease_expires_at).total_seconds()
+    wait = min(max(stale_s, since_expiry), stale_s * 2**MAX_BACKOFF_DOUBLINGS)
+    return now - step.resent_at >= timedelta(seconds=wait)
 
 
 def due(last_sent: datetime, resends: int, stale_s: float, now: datetime) -> bool:

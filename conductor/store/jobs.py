@@ -1047,12 +1047,13 @@ def open_steps(session: Session, *, job_ids: Sequence[str]) -> list[OpenStep]:
     return [OpenStep(*row) for row in session.execute(stmt)]
 
 
-def note_step_resent(session: Session, *, step_id: int, now: datetime) -> bool:
-    """Records a queued step's re-send (``queued_at`` = now, ``resends`` + 1) if it is still queued: False
-    when a worker claimed it meanwhile (a step never returns to queued; there is nothing to re-send)."""
+def note_step_resent(session: Session, *, step_id: int, resends: int, now: datetime) -> bool:
+    """Records a queued step's re-send (``queued_at`` = now, ``resends`` + 1) if it is still queued and
+    re-sent ``resends`` times, as read: False when a worker claimed it meanwhile (a step never returns to
+    queued; there is nothing to re-send) or an overlapping pass re-sent it first."""
     result = session.execute(
         sa.update(Step)
-        .where(col(Step.id) == step_id, col(Step.status) == StepStatus.QUEUED)
+        .where(col(Step.id) == step_id, col(Step.status) == StepStatus.QUEUED, col(Step.resends) == resends)
         .values(queued_at=now, resends=col(Step.resends) + 1)
     )
     return int(getattr(result, "rowcount", 0) or 0) == 1
@@ -1066,35 +1067,68 @@ def step_states(session: Session, *, job_id: str) -> list[dict[str, Any]]:
     return [{"index": index, "agent": agent, "status": status} for index, agent, status in session.execute(stmt)]
 
 
+CHILD_SUCCEEDED = "child_succeeded"
+"""The finish reason of a recursive step whose child job succeeded: its output is the child's answer."""
+MAX_RECURSION_LEVELS = 6
+"""More than any job tree has (``max_depth`` is at most 5)."""
+
+
 def answer_finish_reasons(
     session: Session, *, job_ids: Sequence[str] = (), batch_id: str | None = None
 ) -> dict[str, str | None]:
     """Why the last step of each job (the one whose output is its answer) stopped: ``stop``, ``length``
-    (cut at its token limit), ... Of these jobs, or of every job of a batch. One statement; no messages
-    or outputs read."""
+    (cut at its token limit), ``content_filter``, ... A recursive last step answers with its child job's
+    answer: its child's reason, followed down the tree. Of these jobs, or of every job of a batch; one
+    statement per level of recursion, no messages or outputs read."""
     if batch_id is not None:
         jobs: Any = col(Step.job_id).in_(sa.select(col(Job.id)).where(col(Job.batch_id) == batch_id))
     elif job_ids:
         jobs = col(Step.job_id).in_(list(job_ids))
     else:
         return {}
+    found: dict[str, str | None] = {}
+    waiting: dict[str, str] = {}  # a child job whose answer is the answer of (the job asked about)
+    for job_id, (reason, child) in _last_step_reasons(session, jobs).items():
+        if reason == CHILD_SUCCEEDED and child is not None:
+            waiting[child] = job_id
+        else:
+            found[job_id] = reason
+    for _ in range(MAX_RECURSION_LEVELS):
+        if not waiting:
+            break
+        below = _last_step_reasons(session, col(Step.job_id).in_(list(waiting)))
+        deeper: dict[str, str] = {}
+        for child, asked in waiting.items():
+            reason, grandchild = below.get(child, (None, None))
+            if reason == CHILD_SUCCEEDED and grandchild is not None:
+                deeper[grandchild] = asked
+            else:
+                found[asked] = reason
+        waiting = deeper
+    return {**found, **{asked: CHILD_SUCCEEDED for asked in waiting.values()}}
+
+
+def _last_step_reasons(session: Session, jobs: Any) -> dict[str, tuple[str | None, str | None]]:
+    """(finish reason, child job id) of the last step of each job selected by ``jobs``."""
     last = (
         sa.select(col(Step.job_id).label("job_id"), sa.func.max(col(Step.index)).label("last"))
         .where(jobs)
         .group_by(col(Step.job_id))
         .subquery()
     )
-    stmt = sa.select(col(Step.job_id), col(Step.finish_reason)).join(
+    stmt = sa.select(col(Step.job_id), col(Step.finish_reason), col(Step.child_job_id)).join(
         last, sa.and_(col(Step.job_id) == last.c.job_id, col(Step.index) == last.c.last))
-    return {job_id: reason for job_id, reason in session.execute(stmt)}
+    return {job_id: (reason, child) for job_id, reason, child in session.execute(stmt)}
 
 
-def note_lease_resent(session: Session, *, step_id: int, now: datetime) -> bool:
+def note_lease_resent(session: Session, *, step_id: int, resends: int, now: datetime) -> bool:
     """Records the re-send of a running step whose lease expired (``resent_at`` = now, ``resends`` + 1) if
-    its lease is still expired: False when a worker claimed it meanwhile (a fresh lease)."""
+    its lease is still expired and it was re-sent ``resends`` times, as read: False when a worker claimed it
+    meanwhile (a fresh lease) or an overlapping pass re-sent it first."""
     result = session.execute(
         sa.update(Step)
-        .where(col(Step.id) == step_id, col(Step.status) == StepStatus.RUNNING, col(Step.lease_expires_at) < now)
+        .where(col(Step.id) == step_id, col(Step.status) == StepStatus.RUNNING, col(Step.lease_expires_at) < now,
+               col(Step.resends) == resends)
         .values(resent_at=now, resends=col(Step.resends) + 1)
     )
     return int(getattr(result, "rowcount", 0) or 0) == 1

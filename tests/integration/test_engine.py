@@ -185,8 +185,10 @@ def test_a_dead_workers_step_is_re_sent_once_per_expiry_not_at_every_pass() -> N
     with session_scope() as s:
         step = store.get_step(s, job_id=job_id, index=0)
         assert step is not None and step.resends == 1 and step.resent_at is not None
-        store.update_step(s, step_id=step.id, resent_at=step.resent_at - timedelta(
-            seconds=2 * settings.reconcile_stale_s))  # its backoff (2 x stale) has passed, still unclaimed
+        assert step.lease_expires_at is not None
+        back = timedelta(seconds=settings.reconcile_stale_s)  # its backoff has passed, still unclaimed
+        store.update_step(s, step_id=step.id, resent_at=step.resent_at - back,
+                          lease_expires_at=step.lease_expires_at - back)
     examined_first()
     assert (job_id, 0) in reconcile_once(settings)[1].steps
 
@@ -218,3 +220,16 @@ def test_an_answer_cut_at_its_token_limit_is_a_chat_completion_finishing_with_le
         assert reply.choices[0].finish_reason == ("length" if name == "cut" else "stop")
         assert reply.choices[0].message.content == job.answer
     assert len(jobs["cut"].answer or "") < len(jobs["whole"].answer or "")
+    # A recursive last step answers with its child job's answer: the child's reason, two levels down.
+    parents = []
+    for child in (ids["cut"], None):
+        parent = new_job(workflow={"model_ids": ["a"], "subtasks": ["delegate"], "access_lists": [[]]})
+        plan_job(parent, settings=settings)
+        with session_scope() as s:
+            step = store.get_step(s, job_id=parent, index=0)
+            assert step is not None and step.id is not None
+            store.update_step(s, step_id=step.id, status=StepStatus.SUCCEEDED, finish_reason="child_succeeded",
+                              child_job_id=child or parents[0])
+        parents.append(parent)
+    with session_scope() as s:
+        assert store.answer_finish_reasons(s, job_ids=parents) == {parents[0]: "length", parents[1]: "length"}

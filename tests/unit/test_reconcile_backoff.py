@@ -42,10 +42,18 @@ def test_a_dead_workers_step_is_re_sent_at_once_then_backs_off() -> None:
     later = T0 + timedelta(seconds=1)
     assert not resend_due(step(lease=T0 + timedelta(seconds=5)), now=later, stale_s=30)  # its worker lives
     assert resend_due(step(), now=later, stale_s=30)  # the lease expired: at once
-    # Re-sent at `later` (resends 1) and still unclaimed: the next re-send waits 2 x 30 s from then.
-    waiting = step(resent=later, resends=1)
-    assert not resend_due(waiting, now=later + timedelta(seconds=59), stale_s=30)
-    assert resend_due(waiting, now=later + timedelta(seconds=60), stale_s=30)
+    # Re-sent at `later` and still unclaimed: the next re-send waits 30 s from then, the one after that as
+    # long as the lease had been expired at the last re-send (the waits double), however often the step
+    # was re-sent before this expiry (here 6 times, while it waited queued behind a backlog).
+    waiting = step(resent=later, resends=7)
+    assert not resend_due(waiting, now=later + timedelta(seconds=29), stale_s=30)
+    assert resend_due(waiting, now=later + timedelta(seconds=30), stale_s=30)
+    second = later + timedelta(seconds=30)
+    third = second + timedelta(seconds=31)  # waited 31 s: the lease had been expired 31 s at `second`
+    assert not resend_due(step(resent=second, resends=8), now=third - timedelta(seconds=1), stale_s=30)
+    assert resend_due(step(resent=second, resends=8), now=third, stale_s=30)
+    long_ago = step(resent=T0 + timedelta(hours=5), resends=20)  # capped at 64 x 30 s
+    assert resend_due(long_ago, now=T0 + timedelta(hours=5, seconds=30 * 64), stale_s=30)
     # Claimed again and that worker died too (a newer lease, expired): at once again.
     again = step(lease=later + timedelta(seconds=300), resent=later, resends=1)
     assert resend_due(again, now=later + timedelta(seconds=301), stale_s=30)

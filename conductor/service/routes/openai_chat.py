@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Response
 from fastapi.concurrency import run_in_threadpool
@@ -27,6 +27,7 @@ from conductor.openai_wire import (
     ChatCompletionRequest,
     ChunkChoice,
     Delta,
+    FinishReason,
     ModelList,
     ModelObject,
 )
@@ -201,14 +202,14 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 async def _stream(job_id: str, model: str, settings: Settings, *, include_usage: bool) -> AsyncIterator[str]:
     """Chunks: the assistant role first; then, while the job runs, an empty-content chunk whose
-    ``conductor`` field names each job or step status change; the answer; ``finish_reason`` (``stop``, or
-    ``length`` when the answering step was cut at its token limit); the
+    ``conductor`` field names each job or step status change; the answer; ``finish_reason`` (``stop``;
+    ``length`` or ``content_filter`` when the answering step was cut or withheld); the
     usage (with ``stream_options.include_usage``); ``[DONE]``. A job that fails or outlasts the wait
     ends the stream with an OpenAI error event instead of the answer."""
     created = int(time.time())
 
     def chunk(delta: Delta, job: Job, *, step: dict[str, Any] | None = None,
-              finish: Literal["stop", "length"] | None = None) -> str:
+              finish: FinishReason | None = None) -> str:
         message = ChatCompletionChunk(
             id=job_id, created=created, model=model,
             choices=[ChunkChoice(delta=delta, finish_reason=finish)],
