@@ -336,6 +336,7 @@ def test_steps_waiting_for_the_claiming_task_keep_their_leases(
     their leases meanwhile, or the reconciler would hand them to another worker while this one still runs
     them after its own (two calls)."""
     import threading
+    import time
 
     from conductor.engine import Taker
     from conductor.tasks import jobs
@@ -361,6 +362,7 @@ def test_steps_waiting_for_the_claiming_task_keep_their_leases(
         if steps[0].status != StepStatus.RUNNING:
             break
         renewed = all(steps[i].lease_expires_at > claimed[i].lease_expires_at for i in (1, 2))  # type: ignore[operator]
+        time.sleep(0.02)
     runner.join()
     assert renewed, "the steps waiting for the task's own were not kept leased while its call ran"
     job, steps = load(job_id)
