@@ -357,8 +357,7 @@ def reconcile_batches() -> dict[str, int]:
     batch whose jobs have all ended (its output would otherwise wait for someone to read the batch)."""
     with session_scope() as s:
         past_window = store.expired_open_batch_ids(s, now=utcnow())
-    ended = expired = 0
-    failed = 0
+    ended = expired = failed = 0
     for batch_id in past_window:
         try:
             if finish_if_done(batch_id):  # its jobs have all ended (by this pass): it completed

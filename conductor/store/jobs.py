@@ -980,8 +980,7 @@ def orphaned_children(session: Session, *, limit: int = 100) -> list[str]:
     stmt = (
         sa.select(col(Job.id))
         .join(parent, col(Job.parent_job_id) == parent.id)
-        .where(col(Job.status).in_(list(JobStatus.UNFINISHED)), col(Job.parent_job_id).is_not(None),
-               col(parent.status).in_(list(JobStatus.TERMINAL)))
+        .where(col(Job.status).in_(list(JobStatus.UNFINISHED)), col(parent.status).in_(list(JobStatus.TERMINAL)))
         .limit(limit)
     )
     return list(session.execute(stmt).scalars())
@@ -1086,26 +1085,21 @@ def answer_finish_reasons(
         jobs = col(Step.job_id).in_(list(job_ids))
     else:
         return {}
+    level = _last_step_reasons(session, jobs)
+    looking = {job_id: job_id for job_id in level}  # a job at this level -> the job asked about
     found: dict[str, str | None] = {}
-    waiting: dict[str, str] = {}  # a child job whose answer is the answer of (the job asked about)
-    for job_id, (reason, child) in _last_step_reasons(session, jobs).items():
-        if reason == CHILD_SUCCEEDED and child is not None:
-            waiting[child] = job_id
-        else:
-            found[job_id] = reason
     for _ in range(MAX_RECURSION_LEVELS):
-        if not waiting:
-            break
-        below = _last_step_reasons(session, col(Step.job_id).in_(list(waiting)))
         deeper: dict[str, str] = {}
-        for child, asked in waiting.items():
-            reason, grandchild = below.get(child, (None, None))
-            if reason == CHILD_SUCCEEDED and grandchild is not None:
-                deeper[grandchild] = asked
+        for job_id, asked in looking.items():
+            reason, child = level.get(job_id, (None, None))
+            if reason == CHILD_SUCCEEDED and child is not None:
+                deeper[child] = asked
             else:
                 found[asked] = reason
-        waiting = deeper
-    return {**found, **{asked: CHILD_SUCCEEDED for asked in waiting.values()}}
+        if not deeper:
+            break
+        looking, level = deeper, _last_step_reasons(session, col(Step.job_id).in_(list(deeper)))
+    return found
 
 
 def _last_step_reasons(session: Session, jobs: Any) -> dict[str, tuple[str | None, str | None]]:
