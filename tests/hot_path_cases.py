@@ -314,6 +314,54 @@ def a_step_reclaimed_after_its_worker_died_does_not_count_its_own_reservation() 
     assert step.reserved_tokens == 0 and 0 < job.input_tokens + job.output_tokens <= 400
 
 
+def a_claim_re_run_after_its_commit_landed_returns_its_attempt_and_counts_none() -> None:
+    """``transaction`` runs a body once more when the connection died; if it died after COMMIT reached the
+    database, the claim runs again with the same owner. It must not count a second attempt or open one
+    (the first would be closed later as ``worker_lost``)."""
+    settings = get_settings()
+    job_id = new_chain(1)
+    plan_job(job_id, settings=settings)
+
+    def claim(owner: str, lease_s: float) -> Any:
+        return transaction(lambda s: store.claim_step_row(
+            s, job_id=job_id, index=0, owner=owner, lease_s=lease_s, task_id=None, count_attempt=True,
+            open_below=settings.step_max_attempts))
+
+    first = claim("once#1", 60.0)
+    again = claim("once#1", 60.0)
+    assert first is not None and again == first and first.attempts == 0 and first.attempt_id is not None
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        attempts = store.get_attempts(s, step_ids=[first.step_id])
+    assert step is not None and step.attempts == 1 and step.lease_owner == "once#1"
+    assert [(a.id, a.n, a.worker, a.finished_at) for a in attempts] == [(first.attempt_id, 1, "once#1", None)]
+    assert claim("other#1", 60.0) is None  # a live lease: another owner still cannot take it
+
+    with session_scope() as s:  # the worker dies; a rescuer claims, and its claim is re-run as well
+        store.update_step(s, step_id=first.step_id, lease_expires_at=utcnow() - timedelta(seconds=1))
+    rescued = claim("rescuer#1", 60.0)
+    rerun = claim("rescuer#1", 60.0)
+    assert rescued is not None and rerun == rescued and rescued.attempts == 1 and rescued.attempt_id is not None
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        attempts = store.get_attempts(s, step_ids=[first.step_id])
+    assert step is not None and step.attempts == 2
+    assert [(a.n, a.worker) for a in attempts] == [(1, "once#1"), (2, "rescuer#1")]
+    assert attempts[1].id == rescued.attempt_id
+
+    # Through the engine's claim transaction, re-run by the same owner: the step runs as its attempt 2.
+    with session_scope() as s:
+        store.update_step(s, step_id=first.step_id, lease_expires_at=utcnow() - timedelta(seconds=1))
+    owner = engine._owner("engine")
+    claims = [transaction(lambda s: engine._claim(s, job_id, 0, owner=owner, task_id=None, settings=settings))
+              for _ in range(2)]
+    assert all(isinstance(c, engine._Claimed) for c in claims)
+    assert [(c.attempt, c.attempt_id) for c in claims] == [(3, claims[0].attempt_id)] * 2
+    with session_scope() as s:
+        attempts = store.get_attempts(s, step_ids=[first.step_id])
+    assert [(a.n, a.finished_at is None) for a in attempts] == [(1, False), (2, False), (3, True)]
+
+
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
@@ -325,4 +373,5 @@ CASES = (
     parallel_steps_are_claimed_for_the_takers_spare_slots_and_the_rest_sent,
     roots_claimed_with_the_plan_are_what_their_own_claims_would_write,
     a_step_reclaimed_after_its_worker_died_does_not_count_its_own_reservation,
+    a_claim_re_run_after_its_commit_landed_returns_its_attempt_and_counts_none,
 )

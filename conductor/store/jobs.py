@@ -12,6 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from pydantic_core import PydanticUndefined
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlmodel import Session, col, select
 
 from conductor.errors import ErrorType
@@ -147,11 +148,12 @@ def _count_in_flight_stmt() -> sa.Select[Any]:
     return sa.select(sa.func.count()).select_from(JOB).where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL))
 
 
-def lock_tenant(session: Session, *, tenant: str) -> None:
+def lock_tenant(session: Session, *, tenant: str, scope: str = "tenant") -> None:
     """Serializes quota checks of one tenant until the transaction ends (Postgres; SQLite, which runs
-    one writer at a time, needs none)."""
+    one writer at a time, needs none). ``scope`` names the quota: checks of different quotas (jobs in
+    flight, ``files``) do not wait for each other."""
     if session.get_bind().dialect.name == "postgresql":
-        _core(session).execute(_lock_tenant_stmt(), {"p_key": f"conductor-tenant:{tenant}"})
+        _core(session).execute(_lock_tenant_stmt(), {"p_key": f"conductor-{scope}:{tenant}"})
 
 
 @cache
@@ -627,7 +629,8 @@ def claim_step_row(
 ) -> ClaimedStep | None:
     """queued -> running (or re-take a running step whose lease expired: its worker died), only while the
     job runs. ``owner`` is unique per claim: the fencing token every later write of this claim checks.
-    The same owner may claim again (a retried transaction whose commit did land).
+    The same owner may claim again (a retried transaction whose commit did land, its reply lost): that
+    re-claim counts no attempt and returns the attempt the landed claim opened, not a second one.
 
     With ``open_below`` (and ``count_attempt``) the claim also opens the attempt it counted, when fewer
     than ``open_below`` attempts came before it: on Postgres in the same statement (the claim's
@@ -651,9 +654,21 @@ def claim_step_row(
         return None
     claim = ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - (1 if count_attempt else 0))
     if open_below is not None and count_attempt and claim.attempts < open_below:
-        opened = open_attempt(session, step_id=claim.step_id, n=claim.attempts + 1, worker=owner)
+        n = claim.attempts + 1
+        landed = direct.execute(_own_attempt_stmt(), {"p_step_id": claim.step_id, "p_n": n,
+                                                      "p_owner": owner}).scalar()
+        opened = int(landed) if landed is not None else open_attempt(session, step_id=claim.step_id, n=n,
+                                                                      worker=owner)
         return ClaimedStep(claim.step_id, claim.attempts, opened)
     return claim
+
+
+@cache
+def _own_attempt_stmt() -> sa.Select[Any]:
+    """The attempt ``n`` this owner opened already (its claim's commit landed and the claim was re-run)."""
+    a = ATTEMPT
+    return sa.select(a.c.id).where(a.c.step_id == sa.bindparam("p_step_id"), a.c.n == sa.bindparam("p_n"),
+                                   a.c.worker == sa.bindparam("p_owner", type_=sa.String()))
 
 
 @lru_cache(maxsize=32)
@@ -679,7 +694,8 @@ def _claim_stmt(keys: tuple[str, ...], count_attempt: bool) -> sa.Update:
             lease_expires_at=sa.bindparam("p_expires", type_=UTCDateTime()),
             started_at=sa.func.coalesce(st.c.started_at, now),
             celery_task_id=sa.bindparam("p_task_id", type_=sa.String()),
-            attempts=st.c.attempts + (1 if count_attempt else 0),
+            # The same owner again is this claim re-run after its commit landed: no second attempt counted.
+            attempts=st.c.attempts + (sa.case((st.c.lease_owner == owner, 0), else_=1) if count_attempt else 0),
             **{k: sa.bindparam(f"v_{k}", type_=st.c[k].type) for k in keys},
         )
         .returning(st.c.id, st.c.attempts)
@@ -690,21 +706,28 @@ def _claim_stmt(keys: tuple[str, ...], count_attempt: bool) -> sa.Update:
 def _claim_and_open_stmt(keys: tuple[str, ...]) -> sa.Select[Any]:
     """Postgres: ``WITH claimed AS (UPDATE step … RETURNING id, attempts), opened AS (INSERT INTO
     step_attempt SELECT … FROM claimed WHERE attempts < open_below + 1 RETURNING id) SELECT claimed.id,
-    claimed.attempts, opened.id``: the claim and its attempt in one round trip."""
+    claimed.attempts, opened.id``: the claim and its attempt in one round trip. A claim re-run by its owner
+    after its commit landed finds its attempt already there (the insert does nothing; the statement's
+    snapshot shows the landed one, never the row this statement inserts)."""
     a = ATTEMPT
+    owner = sa.bindparam("p_owner", type_=sa.String())
     claimed = _claim_stmt(keys, True).cte("claimed")
     opened = (
-        sa.insert(a)
+        pg_insert(a)
         .from_select(
             ["step_id", "n", "worker", "started_at"],
-            sa.select(claimed.c.id, claimed.c.attempts, sa.bindparam("p_owner", type_=sa.String()),
-                      sa.bindparam("p_now", type_=UTCDateTime()))
+            sa.select(claimed.c.id, claimed.c.attempts, owner, sa.bindparam("p_now", type_=UTCDateTime()))
             .where(claimed.c.attempts <= sa.bindparam("p_open_below", type_=sa.Integer())),
         )
+        .on_conflict_do_nothing(index_elements=[a.c.step_id, a.c.n])
         .returning(a.c.id)
         .cte("opened")
     )
-    return sa.select(claimed.c.id, claimed.c.attempts, sa.select(opened.c.id).scalar_subquery())
+    landed = (sa.select(a.c.id)
+              .where(a.c.step_id == claimed.c.id, a.c.n == claimed.c.attempts, a.c.worker == owner)
+              .scalar_subquery())
+    return sa.select(claimed.c.id, claimed.c.attempts,
+                     sa.func.coalesce(sa.select(opened.c.id).scalar_subquery(), landed))
 
 
 def open_attempt(session: Session, *, step_id: int, n: int, worker: str) -> int:
