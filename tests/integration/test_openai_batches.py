@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -213,6 +214,27 @@ def test_uploads_past_the_tenants_file_quota_are_refused_until_files_are_deleted
             assert [f.id for f in client.files.list()] == [f.id for f in reversed(kept)]  # nothing stored
             client.files.delete(kept[0].id)
             assert client.files.create(file=("3.jsonl", jsonl([chat_line("a", "x")])), purpose="batch").bytes > 0
+
+            # One slot left, ten uploads at once: the quota check and the insert are one serialized step
+            # per tenant, so exactly one takes it.
+            client.files.delete(kept[1].id)
+            outcomes: list[str] = []
+
+            def upload(n: int) -> None:
+                try:
+                    client.files.create(file=(f"race{n}.jsonl", jsonl([chat_line("a", "y" * 200_000)])),
+                                        purpose="batch")
+                    outcomes.append("stored")
+                except openai.BadRequestError as exc:
+                    outcomes.append(str(exc.code))
+
+            racers = [threading.Thread(target=upload, args=(n,)) for n in range(10)]
+            for t in racers:
+                t.start()
+            for t in racers:
+                t.join(30)
+            assert sorted(outcomes) == ["quota_exceeded"] * 9 + ["stored"], outcomes
+            assert len(client.files.list().data) == 2
     finally:
         proc.stop()
 

@@ -19,6 +19,7 @@ from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import OpenAIError, openai_errors
 from conductor.service.problems import http_status
 from conductor.store import batches as store
+from conductor.store.jobs import lock_tenant
 from conductor.store.models import StoredFile
 from conductor.submission import unstorable
 
@@ -64,6 +65,7 @@ def upload_file(
     filename = file.filename or "batch.jsonl"
     if unstorable(filename):
         raise OpenAIError(400, f"filename {unstorable(filename)}", param="file", code="invalid_filename")
+    lock_tenant(session, tenant=tenant, scope="files")  # until commit: two uploads cannot both take the last slot
     files, used = store.file_usage(session, tenant=tenant)
     if files + 1 > settings.tenant_max_files or used + len(content) > settings.tenant_max_file_bytes:
         raise OpenAIError(
