@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from datetime import timedelta
 from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from conductor.store.models import ApiKey, utcnow
+from conductor.store.models import ApiKey, UiSession, utcnow
 
 KEY_PREFIX = "cq_"
 PEPPER_WARNING = (
@@ -62,3 +63,45 @@ def revoke_key(session: Session, *, prefix: str) -> int:
         row.revoked_at = utcnow()
         session.add(row)
     return len(rows)
+
+
+SESSION_PREFIX = "cqs_"
+MAX_SESSIONS_PER_KEY = 20
+"""Live viewer sessions one key may hold; signing in beyond that ends its oldest."""
+
+
+def create_session(session: Session, *, key: str, pepper: str = "", ttl_s: int) -> tuple[str, str] | None:
+    """(tenant, token) of a new trace-viewer session for an active ``key``, valid ``ttl_s`` seconds; None
+    for an unknown or revoked key. The token is random and only its keyed hash is stored: a cookie holding
+    it opens the viewer, never the API, and a leaked table mints none."""
+    row = session.exec(select(ApiKey).where(ApiKey.key_hash == hash_key(key, pepper),
+                                            col(ApiKey.revoked_at).is_(None))).first()
+    if row is None:
+        return None
+    now = utcnow()
+    sessions = sa.delete(UiSession).where(col(UiSession.key_id) == row.id)
+    session.execute(sessions.where(col(UiSession.expires_at) <= now))
+    live = session.exec(select(UiSession.token_hash).where(UiSession.key_id == row.id)
+                        .order_by(col(UiSession.created_at).desc()).offset(MAX_SESSIONS_PER_KEY - 1)).all()
+    if live:
+        session.execute(sessions.where(col(UiSession.token_hash).in_(live)))
+    token = SESSION_PREFIX + secrets.token_urlsafe(32)
+    session.add(UiSession(token_hash=hash_key(token, pepper), key_id=row.id, tenant=row.tenant, created_at=now,
+                          expires_at=now + timedelta(seconds=ttl_s)))
+    session.flush()
+    return row.tenant, token
+
+
+def tenant_for_session(session: Session, *, token: str, pepper: str = "") -> str | None:
+    """The tenant of a viewer session that has not expired and whose key is still active; else None."""
+    if not token.startswith(SESSION_PREFIX):
+        return None
+    found = session.execute(
+        sa.select(col(UiSession.tenant)).join(ApiKey, col(ApiKey.id) == col(UiSession.key_id))
+        .where(col(UiSession.token_hash) == hash_key(token, pepper), col(UiSession.expires_at) > utcnow(),
+               col(ApiKey.revoked_at).is_(None))).first()
+    return str(found[0]) if found is not None else None
+
+
+def end_session(session: Session, *, token: str, pepper: str = "") -> None:
+    session.execute(sa.delete(UiSession).where(col(UiSession.token_hash) == hash_key(token, pepper)))

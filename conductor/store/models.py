@@ -64,6 +64,20 @@ class ApiKey(SQLModel, table=True):
     revoked_at: datetime | None = _ts()
 
 
+class UiSession(SQLModel, table=True):
+    """A browser's sign-in to the trace viewer: only a keyed hash of its random token is stored (as for
+    API keys), so the table cannot be turned into working cookies. Ends at ``expires_at``, at logout, or
+    when its key is revoked."""
+
+    __tablename__ = "ui_session"
+
+    token_hash: str = Field(primary_key=True, max_length=64)
+    key_id: str = Field(index=True, max_length=32)
+    tenant: str = Field(max_length=128)
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
+    expires_at: datetime = _ts(nullable=False)
+
+
 IN_FLIGHT_SQL = "parent_job_id IS NULL AND status IN ('queued', 'planning', 'running')"
 """A top-level job that has not ended, as SQL with literal statuses: a partial index serves a query only
 when the planner can match its predicate, which a bound parameter would prevent."""

@@ -12,9 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 from playwright.sync_api import BrowserContext, Page, sync_playwright
+from sqlmodel import select
 
 from conductor.store.db import session_scope
 from conductor.store.jobs import get_steps
+from conductor.store.keys import revoke_key
+from conductor.store.models import UiSession
 from tests.integration.conftest import new_key
 from tests.integration.harness import LOGS, wait_terminal
 
@@ -119,6 +122,33 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
         assert good.status_code == 303 and good.headers["location"] == "/ui/jobs"  # no open redirect
         cookie = good.headers["set-cookie"].lower()
         assert "httponly" in cookie and "samesite=strict" in cookie and "path=/ui" in cookie
+        token = http.cookies["conductor_session"]
+        assert key not in good.headers["set-cookie"] and token.startswith("cqs_")  # a session, not the key
+        signed_in = http.get(f"/ui/jobs/{diamond}", headers=html)
+        assert signed_in.status_code == 200 and "action=\"/ui/login\"" not in signed_in.text
+        assert http.get("/v1/jobs", headers={"Authorization": f"Bearer {token}"}).status_code == 401  # not a key
+
+    def with_cookie(value: str) -> httpx.Response:
+        with httpx.Client(base_url=api, timeout=30, cookies={"conductor_session": value}) as browser:
+            return browser.get(f"/ui/jobs/{diamond}", headers=html)
+
+    with session_scope() as s:  # the table holds no token: only keyed hashes of them
+        stored = s.exec(select(UiSession).where(UiSession.tenant == "tenant-a")).all()
+    assert stored and all(token not in (row.token_hash, row.key_id) for row in stored)
+    for value in [token[:-1] + ("A" if token[-1] != "A" else "B"), stored[0].token_hash, key, "x" * 300]:
+        page = with_cookie(value)
+        assert page.status_code == 401 and 'action="/ui/login"' in page.text, value
+    assert with_cookie(token).status_code == 200
+
+    with httpx.Client(base_url=api, timeout=30) as http:  # logging out ends the session, not just the cookie
+        http.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
+        copied = http.cookies["conductor_session"]
+        assert copied != token and with_cookie(copied).status_code == 200
+        http.post("/ui/logout")
+        assert with_cookie(copied).status_code == 401 and with_cookie(token).status_code == 200
+    with session_scope() as s:  # revoking the key ends its browser sessions
+        assert revoke_key(s, prefix=key[:10]) == 1
+    assert with_cookie(token).status_code == 401
 
 
 def test_a_recursive_step_shows_its_child_job_nested(client: httpx.Client, api: str) -> None:

@@ -3,8 +3,10 @@
 ``/ui/jobs`` lists the tenant's jobs (with status filters); ``/ui/jobs/{id}`` shows one: the workflow
 as a graph, a timeline of steps and attempts, tokens and cost per step, the exact messages each worker
 saw, and recursive steps' child jobs nested. Same auth as the API: an ``Authorization: Bearer`` header,
-or for a browser the key posted once to ``/ui/login`` and kept in an HttpOnly, SameSite=Strict cookie
-scoped to ``/ui`` (a form post, so the key never appears in a URL or an access log). Every value from
+or for a browser the key posted once to ``/ui/login`` (a form post, so the key never appears in a URL or
+an access log), which sets an HttpOnly, SameSite=Strict cookie scoped to ``/ui`` holding a session token
+(random; only its keyed hash is stored, in ``ui_session``; not the key, which would also open the API).
+A session ends after ``COOKIE_MAX_AGE_S``, at logout, or when its key is revoked. Every value from
 a user or a model is escaped by the templates (Jinja autoescape) and the pages forbid scripts (CSP).
 """
 
@@ -23,11 +25,12 @@ from conductor.service.problems import Problem, problem_response, problems
 from conductor.service.trace_page import job_section
 from conductor.settings import Settings
 from conductor.store import jobs as store
+from conductor.store.keys import create_session, end_session, tenant_for_session
 from conductor.store.models import JobStatus, utcnow
 
 router = APIRouter(prefix="/ui", include_in_schema=True, tags=["ui"])
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
-COOKIE = "conductor_key"
+COOKIE = "conductor_session"
 COOKIE_MAX_AGE_S = 8 * 3600
 MAX_KEY_CHARS = 256
 MAX_LIST_LIMIT = 200
@@ -78,13 +81,10 @@ def _tenant(request: Request, session: Session, settings: Settings, authorizatio
         return resolve_tenant(session, settings, authorization)
     if not settings.auth_required:
         return resolve_tenant(session, settings, None)
-    key = request.cookies.get(COOKIE)
-    if not key:
+    token = request.cookies.get(COOKIE)
+    if not token or len(token) > MAX_KEY_CHARS:
         return None
-    try:
-        return resolve_tenant(session, settings, f"Bearer {key}")
-    except Problem:
-        return None  # a revoked or stale cookie: sign in again
+    return tenant_for_session(session, token=token, pepper=settings.api_key_pepper)  # None: sign in again
 
 
 def _to_login(request: Request) -> Response:
@@ -129,19 +129,25 @@ def login(
     key: Annotated[str, Form(min_length=1, max_length=MAX_KEY_CHARS)],
     next: Annotated[str, Form(max_length=2048)] = "/ui/jobs",
 ) -> Response:
-    try:
-        resolve_tenant(session, settings, f"Bearer {key.strip()}")
-    except Problem:
+    if not settings.auth_required:  # every caller is the default tenant: nothing to remember
+        return RedirectResponse(_safe_next(next), status_code=303)
+    signed_in = create_session(session, key=key.strip(), pepper=settings.api_key_pepper, ttl_s=COOKIE_MAX_AGE_S)
+    session.commit()
+    if signed_in is None:
         return _page("login.html", 401, next=_safe_next(next), error="Unknown or revoked API key.",
                      max_key=MAX_KEY_CHARS)
     response = RedirectResponse(_safe_next(next), status_code=303)
-    response.set_cookie(COOKIE, key.strip(), max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
+    response.set_cookie(COOKIE, signed_in[1], max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
                         samesite="strict", secure=request.url.scheme == "https")
     return response
 
 
 @router.post("/logout", response_class=RedirectResponse, responses={303: {"description": "signed out"}})
-def logout() -> RedirectResponse:
+def logout(request: Request, session: SessionDep, settings: SettingsDep) -> RedirectResponse:
+    token = request.cookies.get(COOKIE)
+    if token and len(token) <= MAX_KEY_CHARS:
+        end_session(session, token=token, pepper=settings.api_key_pepper)  # the token stops working, copies too
+        session.commit()
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
     return response
