@@ -38,7 +38,7 @@ from conductor.store import jobs as jobs_store
 from conductor.store.db import session_scope
 from conductor.store.models import Batch, BatchRequest, BatchStatus, Job, JobStatus, StoredFile, utcnow
 from conductor.submission import JobCreate, SubmissionError, create_job, unstorable
-from conductor.workflow import CONDUCTOR_AGENT
+from conductor.workflow import CONDUCTOR_AGENT, MAX_REPORTED_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +193,15 @@ def create_batch(
             request.error_code, request.error = "invalid_request", f"line {item.line}: {exc}"
         except DataError:
             request.error_code, request.error = "invalid_body", f"line {item.line}: a value cannot be stored"
+        if request.error is not None and len(request.error) > MAX_LINE_ERROR_CHARS:
+            request.error = request.error[:MAX_LINE_ERROR_CHARS - 25] + " ... (error cut at 1,000 characters)"
         store.insert_request(session, request=request)
     session.flush()
     return batch, job_ids
+
+
+MAX_LINE_ERROR_CHARS = 1_000
+"""A refused line's error as stored and written to the batch's error file."""
 
 
 def line_job(item: InputLine, endpoint: str, settings: Settings) -> LineJob:
@@ -212,7 +218,7 @@ def line_job(item: InputLine, endpoint: str, settings: Settings) -> LineJob:
         raise LineError(f"'body' is over {settings.max_body_bytes} bytes", "body_too_large")
     extra = set(req) - {"custom_id", "method", "url", "body"}
     if extra:
-        raise LineError(f"unknown field(s) {', '.join(sorted(extra))}", "invalid_request")
+        raise LineError(f"unknown field(s) {', '.join(sorted(extra)[:10])}", "invalid_request")
     try:
         if endpoint == CHAT_ENDPOINT:
             chat = ChatCompletionRequest.model_validate(body)
@@ -222,7 +228,10 @@ def line_job(item: InputLine, endpoint: str, settings: Settings) -> LineJob:
             return LineJob(body=made.body, context=made.context)
         return LineJob(body=JobCreate.model_validate(body), context=None)
     except ValidationError as exc:
-        reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                            for e in exc.errors()[:MAX_REPORTED_ERRORS])
+        if exc.error_count() > MAX_REPORTED_ERRORS:
+            reasons += f"; ... and {exc.error_count() - MAX_REPORTED_ERRORS} more"
         raise LineError(f"invalid body: {reasons}", "invalid_body") from exc
     except ChatRequestError as exc:
         raise LineError(str(exc), exc.code) from exc

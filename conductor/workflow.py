@@ -94,8 +94,8 @@ def parse_workflow(
     errors: list[FieldError] = []
     if not steps_raw:
         raise WorkflowError([FieldError(loc, "a workflow needs at least one step")])
-    if len(steps_raw) > max_steps:
-        errors.append(FieldError(loc, f"{len(steps_raw)} steps given; at most {max_steps} are allowed"))
+    if len(steps_raw) > max_steps:  # said at once: the steps of a list this long are not worth checking
+        raise WorkflowError([FieldError(loc, f"{len(steps_raw)} steps given; at most {max_steps} are allowed")])
     steps: list[Step] = []
     for i, item in enumerate(steps_raw):
         step, step_errors = _check_step(i, item, known, max_instruction_chars, allow_conductor, loc)
@@ -103,14 +103,29 @@ def parse_workflow(
         if step is not None:
             steps.append(step)
     if errors:
-        raise WorkflowError(errors)
+        raise WorkflowError(capped(errors, loc))
     return Workflow(steps=steps)
+
+
+MAX_REPORTED_ERRORS = 20
+"""Problems one refusal lists; past that it says how many more there are (a body built to fail on every
+item must not make an error the size of itself)."""
+
+
+def capped(errors: Sequence[FieldError], loc: tuple[str | int, ...]) -> list[FieldError]:
+    if len(errors) <= MAX_REPORTED_ERRORS:
+        return list(errors)
+    more = len(errors) - MAX_REPORTED_ERRORS
+    return [*errors[:MAX_REPORTED_ERRORS], FieldError(loc, f"... and {more} more problems like these")]
 
 
 def _steps_from_raw(raw: Mapping[str, Any], loc: tuple[str | int, ...]) -> list[Any]:
     if not isinstance(raw, Mapping):
         raise WorkflowError([FieldError(loc, "must be an object with 'steps' or the three lists")])
     if "steps" in raw:
+        if len(raw) > 1:
+            extra = ", ".join(sorted(str(k)[:64] for k in raw if k != "steps")[:10])
+            raise WorkflowError([FieldError(loc, f"unexpected fields beside 'steps': {extra}")])
         steps = raw["steps"]
         if not isinstance(steps, list):
             raise WorkflowError([FieldError((*loc, "steps"), "must be a list")])
@@ -121,6 +136,9 @@ def _steps_from_raw(raw: Mapping[str, Any], loc: tuple[str | int, ...]) -> list[
         raise WorkflowError(
             [FieldError((*loc, n), "field required (give 'steps' or all three lists)") for n in missing]
         )
+    if len(raw) > len(names):
+        extra = ", ".join(sorted(str(k)[:64] for k in raw if k not in names)[:10])
+        raise WorkflowError([FieldError(loc, f"unexpected fields beside the three lists: {extra}")])
     lists = [raw[n] for n in names]
     for n, value in zip(names, lists, strict=True):
         if not isinstance(value, list):
@@ -149,7 +167,8 @@ def _check_step(
     errors: list[FieldError] = []
     unexpected = set(item) - {"agent", "instruction", "access_list"}
     if unexpected:
-        errors.append(FieldError(here, f"unexpected fields: {', '.join(sorted(map(str, unexpected)))}"))
+        named = ", ".join(sorted(str(k)[:64] for k in unexpected)[:10])
+        errors.append(FieldError(here, f"unexpected fields: {named}{' ...' if len(unexpected) > 10 else ''}"))
     agent = item.get("agent")
     if not isinstance(agent, str) or not agent:
         errors.append(FieldError((*here, "agent"), "must be a non-empty agent name"))
@@ -171,6 +190,10 @@ def _check_step(
     return Step(agent=str(agent), instruction=str(instruction), access_list=access), []
 
 
+MAX_ACCESS_ENTRIES = 64
+"""Entries an access list may have beyond its step's index (repeats are allowed and merged)."""
+
+
 def _check_access(
     i: int, access: Any, loc: tuple[str | int, ...]
 ) -> tuple[AccessList, list[FieldError]]:
@@ -180,6 +203,8 @@ def _check_access(
         return [], []
     if not isinstance(access, list):
         return [], [FieldError(loc, 'must be a list of earlier step indices, [] or "all"')]
+    if len(access) > max(i, MAX_ACCESS_ENTRIES):
+        return [], [FieldError(loc, f"{len(access)} entries; step {i} has {i} earlier steps to list")]
     errors: list[FieldError] = []
     for k, ref in enumerate(access):
         if isinstance(ref, bool) or not isinstance(ref, int):

@@ -5,6 +5,7 @@ HTTP status codes for domain errors are chosen here and nowhere else."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from conductor.errors import Rejection
 from conductor.quotas import QuotaExceeded
 from conductor.submission import IdempotencyConflict, SubmissionError
+from conductor.workflow import MAX_REPORTED_ERRORS
 
 log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
@@ -75,6 +77,25 @@ def problem_response(status: int, title: str, detail: str = "", errors: list[dic
     return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 
+MAX_ERROR_PART_CHARS = 200
+
+
+def validation_errors(raw: Sequence[Any]) -> list[dict[str, Any]]:
+    """At most ``MAX_REPORTED_ERRORS`` of a request's validation errors, each location part and message
+    cut at ``MAX_ERROR_PART_CHARS``, then one saying how many more: a body built to fail on every item
+    (or with megabyte-long keys) gets a short answer, not one larger than itself."""
+
+    def cut(value: Any) -> Any:
+        text = value if isinstance(value, str) else None
+        return text[:MAX_ERROR_PART_CHARS] + "..." if text is not None and len(text) > MAX_ERROR_PART_CHARS else value
+
+    errors = [{"loc": [cut(p) for p in e.get("loc", ())], "msg": cut(e.get("msg", ""))}
+              for e in raw[:MAX_REPORTED_ERRORS]]
+    if len(raw) > MAX_REPORTED_ERRORS:
+        errors.append({"loc": [], "msg": f"... and {len(raw) - MAX_REPORTED_ERRORS} more errors like these"})
+    return errors
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QuotaExceeded)
     async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
@@ -95,7 +116,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
+        errors = validation_errors(exc.errors())
         return problem_response(422, "Invalid request", "; ".join(
             f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors), errors)
 

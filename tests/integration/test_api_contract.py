@@ -194,3 +194,30 @@ def test_a_misconfigured_agent_fails_the_job_instead_of_hanging(client: httpx.Cl
     job = run(client, ["misconfigured"], [[]])
     assert job["status"] == "failed" and job["error"]["type"] == "config_error", job
     assert "base_url" in job["error"]["message"]
+
+
+def test_a_body_built_to_fail_everywhere_gets_a_short_answer(client: httpx.Client, api: str) -> None:
+    """A refusal lists at most 20 problems and says how many more; it is never the size of the body."""
+    forward = {"task": "t", "workflow": {"steps": [
+        {"agent": "a", "instruction": "x", "access_list": [1] * 10_000}]}}
+    many_keys = {"task": "t", **{f"k{i}": 0 for i in range(20_000)}}
+    bad_steps = {"task": "t", "workflow": {"steps": [
+        {"agent": "nobody", "instruction": "", "access_list": [7] * 10}] * 5}}
+    for body in (forward, many_keys, bad_steps):
+        r = client.post("/v1/jobs", json=body)
+        assert r.status_code == 422 and len(r.content) < 20_000, (r.status_code, len(r.content))
+    assert "10000 entries" in client.post("/v1/jobs", json=forward).json()["detail"]
+    errors = client.post("/v1/jobs", json=bad_steps).json()["errors"]
+    assert len(errors) == 21 and "40 more" in errors[-1]["msg"]  # 12 problems in each of 5 steps: 20 shown
+
+    with httpx.Client(base_url=api, timeout=30) as anonymous:  # no key: 401, before the body is judged
+        r = anonymous.post("/v1/jobs", json=many_keys)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+
+
+def test_a_workflow_with_fields_it_does_not_use_is_refused(client: httpx.Client) -> None:
+    steps = [{"agent": "a", "instruction": "x", "access_list": []}]
+    for workflow in ({"steps": steps, "junk": "x" * 1000}, {**wf(["a"], [[]]), "notes": "kept?"}):
+        r = client.post("/v1/jobs", json={"task": "t", "workflow": workflow})
+        assert r.status_code == 422 and "unexpected fields" in r.json()["detail"], r.text
+    assert client.post("/v1/jobs", json={"task": "t", "workflow": {"steps": steps}}).status_code == 202

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from conductor.workflow import WorkflowError, critical_path, parse_workflow
+from conductor.workflow import MAX_REPORTED_ERRORS, WorkflowError, critical_path, parse_workflow
 
 AGENTS = ["a", "b", "c"]
 
@@ -99,3 +99,27 @@ def test_instruction_length_limit() -> None:
 def test_critical_path_of_a_diamond() -> None:
     length, path = critical_path([[], [0], [0], [1, 2]], [1.0, 2.0, 5.0, 1.0])
     assert length == 7.0 and path == [0, 2, 3]
+
+
+def test_a_workflow_built_to_fail_on_every_item_gets_a_bounded_refusal() -> None:
+    with pytest.raises(WorkflowError) as too_many:  # said at once, the steps not walked
+        parse_workflow({"steps": [{"agent": "?"}] * 100_000}, agents=["a"], max_steps=5)
+    assert [str(e) for e in too_many.value.errors] == ["workflow: 100000 steps given; at most 5 are allowed"]
+    with pytest.raises(WorkflowError) as long_list:
+        parse_workflow({"steps": [{"agent": "a", "instruction": "x", "access_list": [1] * 300_000}]},
+                       agents=["a"], max_steps=5)
+    assert len(long_list.value.errors) == 1 and "300000 entries" in str(long_list.value)
+    with pytest.raises(WorkflowError) as bad:
+        parse_workflow({"steps": [{"agent": "?", "instruction": "", "access_list": [9] * 60}] * 5},
+                       agents=["a"], max_steps=5)
+    assert len(bad.value.errors) == MAX_REPORTED_ERRORS + 1 and "and 290 more" in str(bad.value.errors[-1])
+    assert len(str(bad.value)) < 3_000
+
+
+@pytest.mark.parametrize("raw", [
+    {"steps": [{"agent": "a", "instruction": "x"}], "junk": "x"},
+    {"model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]], "reasoning": "kept?"},
+])
+def test_fields_a_workflow_does_not_use_are_refused_not_stored(raw: dict[str, Any]) -> None:
+    with pytest.raises(WorkflowError, match="unexpected fields"):
+        parse_workflow(raw, agents=["a"], max_steps=5)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Header, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlmodel import Session
@@ -59,7 +59,13 @@ BATCH_ID_PATTERN = r"^batch_[0-9a-f]{32}$"
 ISO_TIME = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2}(\.\d{1,6})?)?(Z|[+-]\d{2}:\d{2})?$"
 
 
-@router.post("/v1/jobs", status_code=202, response_model=JobAccepted,
+async def _bearer_given(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
+    """401 for a request without a bearer key before its body is validated (no database: the key itself
+    is looked up with the insert, in ``_submit``)."""
+    bearer_key(settings, authorization)
+
+
+@router.post("/v1/jobs", status_code=202, response_model=JobAccepted, dependencies=[Depends(_bearer_given)],
              responses=problems(400, 401, 413, 422, 429, 503))
 async def submit_job(
     body: JobCreate,
