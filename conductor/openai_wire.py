@@ -19,6 +19,13 @@ MAX_CONTENT_PARTS = 64
 MAX_METADATA_PAIRS = 16
 MAX_MODEL_CHARS = 256
 
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+Metadata = dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]]
+"""OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512."""
+MAX_STOP_SEQUENCES = 4
+
 FinishReason = Literal["stop", "length", "content_filter"]
 """Why the answer ended: ``length`` cut at a token limit, ``content_filter`` withheld by the provider."""
 
@@ -64,7 +71,7 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    metadata: dict[str, str] | None = Field(
+    metadata: Metadata | None = Field(
         default=None, max_length=MAX_METADATA_PAIRS, description="Stored as the job's metadata."
     )
     n: Literal[1] | None = None
@@ -77,7 +84,7 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
 
     @field_validator("model", "messages", "metadata", "user", "stop")
     @classmethod
@@ -233,7 +240,7 @@ class BatchCreate(BaseModel):
     input_file_id: str = Field(min_length=1, max_length=64)
     endpoint: BatchEndpoint
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_PAIRS)
+    metadata: Metadata | None = Field(default=None, max_length=MAX_METADATA_PAIRS)
 
     @field_validator("metadata")
     @classmethod

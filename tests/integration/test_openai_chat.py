@@ -132,7 +132,7 @@ def test_models_list(oai: openai.OpenAI) -> None:
         oai.models.retrieve("gpt-5")
 
 
-def test_errors_have_the_openai_shape(oai: openai.OpenAI, api: str) -> None:
+def test_errors_have_the_openai_shape(oai: openai.OpenAI, api: str, http: httpx.Client) -> None:
     with pytest.raises(openai.NotFoundError) as unknown:
         oai.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
     assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
@@ -150,6 +150,18 @@ def test_errors_have_the_openai_shape(oai: openai.OpenAI, api: str) -> None:
     ) as stranger:
         stranger.models.list()
     assert denied.value.code == "invalid_api_key"
+
+    with pytest.raises(openai.BadRequestError) as stops:  # OpenAI's limits: 4 stop sequences, metadata 64/512
+        oai.chat.completions.create(model="conductor", messages=[{"role": "user", "content": "x"}],
+                                    stop=["a", "b", "c", "d", "e"])
+    assert stops.value.param == "stop" or "stop" in stops.value.message
+    with pytest.raises(openai.BadRequestError) as meta:
+        oai.chat.completions.create(model="conductor", messages=[{"role": "user", "content": "x"}],
+                                    metadata={"k": "v" * 513})
+    assert "metadata" in (meta.value.param or "") + meta.value.message
+    huge = http.post("/v1/chat/completions", json={"model": "conductor", "messages": [
+        {"role": "user", "content": [{"type": "image_url"}] * 64}]})
+    assert huge.status_code == 400 and len(huge.content) < 20_000, len(huge.content)  # 20 of its errors said
 
     r = httpx.post(f"{api}/v1/chat/completions", json={"model": "conductor", "messages": "x"})
     body = r.json()
