@@ -7,12 +7,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from pydantic_core import PydanticUndefined
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import QueryableAttribute, defer
 from sqlmodel import Session, col, select
 
 from conductor.errors import ErrorType
@@ -83,11 +84,26 @@ def list_jobs(
     if after is not None:
         stmt = stmt.where(sa.tuple_(col(Job.created_at), col(Job.id)) < sa.tuple_(after.created_at, after.id))
     stmt = stmt.order_by(col(Job.created_at).desc(), col(Job.id).desc()).limit(limit)
-    return list(session.exec(stmt))
+    return list(session.exec(stmt.options(*_LIST_DEFERRED)))
 
 
-def get_steps(session: Session, *, job_id: str) -> list[Step]:
-    return list(session.exec(select(Step).where(Step.job_id == job_id).order_by(col(Step.index))))
+def _deferred(*columns: Any) -> tuple[Any, ...]:
+    return tuple(defer(cast("QueryableAttribute[Any]", c)) for c in columns)
+
+
+_LIST_DEFERRED = _deferred(Job.pool_config, Job.context, Job.request_workflow, Job.planner_raw, Job.planner_error,
+                           Job.answer, Job.error_message)
+"""What a page of jobs leaves unread (a summary shows none of it): up to 200 rows of workflows, contexts
+and answers would be read to show 200-character tasks. Read when accessed."""
+
+_STEP_DEFERRED = _deferred(Step.instruction, Step.messages, Step.output, Step.error)
+
+
+def get_steps(session: Session, *, job_id: str, light: bool = False) -> list[Step]:
+    """Every step of the job, in order; ``light`` leaves its texts (instruction, messages, output,
+    error) unread: a status poll needs none of them."""
+    stmt = select(Step).where(Step.job_id == job_id).order_by(col(Step.index))
+    return list(session.exec(stmt.options(*_STEP_DEFERRED) if light else stmt))
 
 
 def step_agents(session: Session, *, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], str]:

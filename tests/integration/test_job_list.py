@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -11,7 +12,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import sqlalchemy as sa
 
+from conductor.store import jobs as store
+from conductor.store.db import get_engine, session_scope
 from tests.integration.conftest import new_key
 from tests.integration.harness import wait_terminal
 
@@ -140,3 +144,29 @@ def test_batch_filter_lists_exactly_one_batchs_jobs(api: str, workers: Any) -> N
         with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {new_key('lister-3')}"}) as other:
             assert other.get(f"/v1/jobs?batch_id={batch.id}").json()["data"] == []
         assert c.get("/v1/jobs?batch_id=not-a-batch").status_code == 422
+
+
+def test_a_page_of_jobs_and_a_status_poll_read_no_texts_they_do_not_show(lister: httpx.Client,
+                                                                          jobs: list[dict[str, Any]]) -> None:
+    """A summary shows a 200-character task: the page must not read every job's workflow, context and
+    answer; an event stream's poll reads its steps' statuses, not their messages and outputs."""
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    engine = get_engine()
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    try:
+        with session_scope() as s:
+            page = store.list_jobs(s, tenant="lister", limit=200)
+            done = next(j for j in page if j.status == "succeeded")
+            steps = store.get_steps(s, job_id=done.id, light=True)
+            heavy = r"job\.(request_workflow|pool_config|planner_raw|answer|context)\b"
+            assert len(page) >= 9 and not re.search(heavy, statements[0]), statements[0]
+            assert steps and not re.search(r"step\.(messages|output|instruction)\b", statements[1]), statements[1]
+            assert done.answer and steps[0].output  # still there when asked for
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
+    listed = lister.get("/v1/jobs", params={"limit": 200}).json()["data"]
+    assert [j["id"] for j in listed][:len(page)] == [j.id for j in page]

@@ -304,5 +304,5 @@ def _snapshot(job_id: str, settings: Settings, key: str | None) -> tuple[JobEven
             return None
         job = store.get_job(session, job_id=job_id)
         assert job is not None
-        steps = store.get_steps(session, job_id=job_id)
+        steps = store.get_steps(session, job_id=job_id, light=True)
         return job_event(job), [step_event(st) for st in steps]
