@@ -3,6 +3,7 @@ real jobs on the Celery workers (sim pool), ``models.list()``, and the OpenAI er
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +11,9 @@ import httpx
 import openai
 import pytest
 
+from conductor.store import jobs as jobs_store
+from conductor.store.db import session_scope
+from conductor.store.keys import revoke_key
 from tests.integration.conftest import new_key
 from tests.integration.harness import start_api, wait_terminal
 
@@ -213,3 +217,60 @@ def test_a_job_outlasting_the_wait_is_a_504_and_goes_on(proc_env: dict[str, str]
     assert wait_terminal(http, streamed_job_id)["status"] == "succeeded"
     for other in slot_job_ids:
         assert wait_terminal(http, other)["status"] == "succeeded"
+
+
+
+def _job_of(tenant: str) -> Any:
+    with session_scope() as s:
+        jobs = jobs_store.list_jobs(s, tenant=tenant, limit=1)
+    return jobs[0] if jobs else None
+
+
+def _ended(job_id: str) -> Any:
+    for _ in range(600):
+        with session_scope() as s:
+            job = jobs_store.get_job(s, job_id=job_id)
+        if job is not None and job.status in ("succeeded", "failed", "cancelled"):
+            return job
+        threading.Event().wait(0.1)
+    raise AssertionError(f"job {job_id} did not end")
+
+
+def test_a_revoked_key_ends_the_wait_and_the_stream(api: str, workers: Any) -> None:
+    """The key is looked up at every poll, as a job event stream does: revoked, a waiting chat completion
+    answers 401 and a stream ends with an error event, each naming the job, which goes on to its end."""
+
+    def revoke_once_submitted(tenant: str, key: str) -> None:
+        for _ in range(600):
+            if _job_of(tenant) is not None:
+                with session_scope() as s:
+                    revoke_key(s, prefix=key[:10])
+                return
+            threading.Event().wait(0.05)
+
+    waiting_key = new_key("chat-revoked-wait")
+    revoker = threading.Thread(target=revoke_once_submitted, args=("chat-revoked-wait", waiting_key))
+    revoker.start()
+    with (openai.OpenAI(base_url=f"{api}/v1", api_key=waiting_key, max_retries=0) as client,
+          pytest.raises(openai.AuthenticationError) as revoked):
+        client.chat.completions.create(model="conductor/slow", messages=[{"role": "user", "content": "z"}])
+    revoker.join(30)
+    assert revoked.value.code == "invalid_api_key" and "revoked while this request waited" in revoked.value.message
+    job_id = revoked.value.response.headers["conductor-job-id"]
+    assert job_id in revoked.value.message and _ended(job_id).status == "succeeded"
+
+    streaming_key = new_key("chat-revoked-stream")
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=streaming_key, max_retries=0) as client:
+        stream = client.chat.completions.create(model="conductor/slow", stream=True,
+                                                messages=[{"role": "user", "content": "z"}])
+        chunks = iter(stream)
+        assert next(chunks).choices[0].delta.role == "assistant"
+        with session_scope() as s:
+            assert revoke_key(s, prefix=streaming_key[:10]) == 1
+        answered = []
+        with pytest.raises(openai.APIError) as ended:
+            for chunk in chunks:
+                answered += [c.delta.content for c in chunk.choices if c.delta.content]
+        assert "revoked while this request waited" in ended.value.message and answered == []
+    streamed = _job_of("chat-revoked-stream")
+    assert streamed is not None and _ended(streamed.id).status == "succeeded"  # it went on without the stream

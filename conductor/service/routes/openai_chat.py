@@ -32,12 +32,13 @@ from conductor.openai_wire import (
     ModelObject,
 )
 from conductor.quotas import QuotaExceeded, admission, close_stream, open_stream, refresh_stream
-from conductor.service.deps import SettingsDep, TenantDep, resolve_tenant
+from conductor.service.deps import SettingsDep, TenantDep, bearer_key, resolve_tenant
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
 from conductor.service.problems import http_status
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
+from conductor.store.keys import tenant_for_key
 from conductor.store.models import Job, JobStatus
 from conductor.submission import SubmissionError, create_job, resolve_pool
 
@@ -90,12 +91,14 @@ async def chat_completions(
     response: Response,
     settings: SettingsDep,
     tenant: BriefTenantDep,
+    authorization: Annotated[str | None, Header()] = None,
 ) -> Any:
     """Runs the conversation as a job (the last user message is the task, earlier turns its context) and
     answers with its result: model `conductor` plans with the pool's planner, `conductor/<planner>` with
     that one. Extension: `conductor` (the job id, status, cost; on stream chunks, the step that changed)."""
+    key = bearer_key(settings, authorization)  # looked up again at each poll: revoking it ends the wait
     if not body.stream:
-        return await _answer(body, response, settings, tenant)
+        return await _answer(body, response, settings, tenant, key)
     slot = uuid.uuid4().hex  # a stream takes one of the tenant's stream slots, as job event streams do
     await run_in_threadpool(open_stream, tenant, slot, settings)
     try:
@@ -105,16 +108,21 @@ async def chat_completions(
         raise
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return StreamingResponse(
-        _held(_stream(job_id, body.model, settings, include_usage=include_usage), tenant, slot, settings),
+        _held(_stream(job_id, body.model, settings, key, include_usage=include_usage), tenant, slot, settings),
         media_type="text/event-stream",
         headers={JOB_HEADER: job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-async def _answer(body: ChatCompletionRequest, response: Response, settings: Settings, tenant: str) -> ChatCompletion:
+async def _answer(body: ChatCompletionRequest, response: Response, settings: Settings, tenant: str,
+                  key: str | None) -> ChatCompletion:
     job_id = await run_in_threadpool(_submit, body, settings, tenant)
     headers = {JOB_HEADER: job_id}
-    job = await _wait_for_end(job_id, settings)
+    try:
+        job = await _wait_for_end(job_id, settings, key)
+    except KeyRevoked as exc:
+        raise OpenAIError(401, str(exc), code="invalid_api_key", type="invalid_request_error",
+                          headers={**headers, **NO_RETRY}) from exc
     if job is None or job.status != JobStatus.SUCCEEDED:
         status, message, code = _not_answered(job_id, job, settings)
         raise OpenAIError(status, message, code=code, headers={**headers, **NO_RETRY})
@@ -145,9 +153,19 @@ def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str
     return job.id
 
 
-def _load(job_id: str, database_url: str, *, steps: bool = True) -> tuple[Job, list[dict[str, Any]]]:
-    """The job, and (``steps``) each step's index, agent and status: a stream's progress."""
-    with Session(get_engine(database_url), expire_on_commit=False) as session:
+class KeyRevoked(Exception):
+    def __init__(self, job_id: str):
+        super().__init__(f"the API key was revoked while this request waited; job {job_id} goes on: "
+                         f"GET /v1/jobs/{job_id} with another key of the tenant has its answer when it ends")
+
+
+def _load(job_id: str, settings: Settings, key: str | None, *,
+          steps: bool = True) -> tuple[Job, list[dict[str, Any]]]:
+    """The job, and (``steps``) each step's index, agent and status: a stream's progress. ``KeyRevoked``
+    once ``key`` is no longer active (checked in the same session: one more indexed lookup)."""
+    with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
+        if key is not None and tenant_for_key(session, key=key, pepper=settings.api_key_pepper) is None:
+            raise KeyRevoked(job_id)
         job = store.get_job(session, job_id=job_id)
         assert job is not None
         return job, store.step_states(session, job_id=job_id) if steps else []
@@ -158,12 +176,12 @@ def _answer_finish_reason(job_id: str, database_url: str) -> str | None:
         return store.answer_finish_reasons(session, job_ids=[job_id]).get(job_id)
 
 
-async def _wait_for_end(job_id: str, settings: Settings) -> Job | None:
+async def _wait_for_end(job_id: str, settings: Settings, key: str | None) -> Job | None:
     """The ended job, or None once ``chat_max_wait_s`` has passed."""
     started = time.monotonic()
     deadline = started + settings.chat_max_wait_s
     while True:
-        job, _ = await run_in_threadpool(lambda: _load(job_id, settings.database_url, steps=False))
+        job, _ = await run_in_threadpool(lambda: _load(job_id, settings, key, steps=False))
         if job.status in JobStatus.TERMINAL:
             return job
         now = time.monotonic()
@@ -200,7 +218,8 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def _stream(job_id: str, model: str, settings: Settings, *, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(job_id: str, model: str, settings: Settings, key: str | None, *,
+                  include_usage: bool) -> AsyncIterator[str]:
     """Chunks: the assistant role first; then, while the job runs, an empty-content chunk whose
     ``conductor`` field names each job or step status change; the answer; ``finish_reason`` (``stop``;
     ``length`` or ``content_filter`` when the answering step was cut or withheld); the
@@ -220,15 +239,25 @@ async def _stream(job_id: str, model: str, settings: Settings, *, include_usage:
     deadline = time.monotonic() + settings.chat_max_wait_s
     seen: dict[str, str] = {}
     last_sent = time.monotonic()
-    job, steps = await run_in_threadpool(_load, job_id, settings.database_url)
+    try:
+        job, steps = await run_in_threadpool(_load, job_id, settings, key)
+    except KeyRevoked as exc:
+        yield _sse(error_body(401, str(exc), code="invalid_api_key"))
+        yield _sse("[DONE]")
+        return
     yield chunk(Delta(role="assistant", content=""), job)
     seen["job"] = job.status
     while True:
-        job, steps = await run_in_threadpool(_load, job_id, settings.database_url)
+        try:
+            job, steps = await run_in_threadpool(_load, job_id, settings, key)
+        except KeyRevoked as exc:
+            yield _sse(error_body(401, str(exc), code="invalid_api_key"))
+            yield _sse("[DONE]")
+            return
         for st in steps:
-            key = f"step:{st['index']}"
-            if seen.get(key) != st["status"]:
-                seen[key] = st["status"]
+            name = f"step:{st['index']}"
+            if seen.get(name) != st["status"]:
+                seen[name] = st["status"]
                 last_sent = time.monotonic()
                 yield chunk(Delta(content=""), job, step=st)
         if job.status in JobStatus.TERMINAL:
