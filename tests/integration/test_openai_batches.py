@@ -234,7 +234,15 @@ def test_uploads_past_the_tenants_file_quota_are_refused_until_files_are_deleted
             for t in racers:
                 t.join(30)
             assert sorted(outcomes) == ["quota_exceeded"] * 9 + ["stored"], outcomes
-            assert len(client.files.list().data) == 2
+            held = client.files.list().data
+            assert len(held) == 2
+
+            # A batch writes its output and error files when it ends: it is refused while they would not fit.
+            with pytest.raises(openai.BadRequestError) as no_room:
+                client.batches.create(input_file_id=held[0].id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+            assert no_room.value.code == "quota_exceeded" and "output and error files" in no_room.value.message
+            assert client.batches.list().data == []
     finally:
         proc.stop()
 

@@ -18,6 +18,7 @@ from conductor.openai_wire import FileDeleted, FileList, FileObject, FilePurpose
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import OpenAIError, openai_errors
 from conductor.service.problems import http_status
+from conductor.settings import Settings
 from conductor.store import batches as store
 from conductor.store.jobs import lock_tenant
 from conductor.store.models import StoredFile
@@ -48,6 +49,18 @@ def file_or_404(session: Session, file_id: str, tenant: str) -> StoredFile:
     return file
 
 
+def check_file_quota(session: Session, tenant: str, settings: Settings, *, files: int, size: int, what: str,
+                     param: str) -> None:
+    """400 ``quota_exceeded`` when ``files`` more files of ``size`` bytes would pass the tenant's quota."""
+    held, used = store.file_usage(session, tenant=tenant)
+    if held + files > settings.tenant_max_files or used + size > settings.tenant_max_file_bytes:
+        raise OpenAIError(
+            400, f"this tenant's {held} files take {used:,} bytes; {what} it would pass its quota of "
+            f"{settings.tenant_max_files:,} files or {settings.tenant_max_file_bytes:,} bytes "
+            "(CONDUCTOR_TENANT_MAX_FILES, CONDUCTOR_TENANT_MAX_FILE_BYTES): delete files you no longer need "
+            "(DELETE /v1/files/{file_id}) and try again", param=param, code="quota_exceeded")
+
+
 @router.post("/v1/files", responses=openai_errors(400, 401, 413, 422, 503))
 def upload_file(
     file: UploadFile,
@@ -66,13 +79,8 @@ def upload_file(
     if unstorable(filename):
         raise OpenAIError(400, f"filename {unstorable(filename)}", param="file", code="invalid_filename")
     lock_tenant(session, tenant=tenant, scope="files")  # until commit: two uploads cannot both take the last slot
-    files, used = store.file_usage(session, tenant=tenant)
-    if files + 1 > settings.tenant_max_files or used + len(content) > settings.tenant_max_file_bytes:
-        raise OpenAIError(
-            400, f"this tenant's {files} files take {used:,} bytes; with this one it would pass its quota of "
-            f"{settings.tenant_max_files:,} files or {settings.tenant_max_file_bytes:,} bytes "
-            "(CONDUCTOR_TENANT_MAX_FILES, CONDUCTOR_TENANT_MAX_FILE_BYTES): delete files you no longer need "
-            "(DELETE /v1/files/{file_id}) and upload again", param="file", code="quota_exceeded")
+    check_file_quota(session, tenant, settings, files=1, size=len(content), what="with this one",
+                     param="file")
     try:
         stored = store_input_file(session, tenant=tenant, filename=filename, content=content, settings=settings)
     except BatchFileError as exc:
