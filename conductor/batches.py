@@ -122,8 +122,10 @@ def _json_object(raw: str, number: int) -> dict[str, Any]:
     return item
 
 
-def store_input_file(session: Session, *, tenant: str, filename: str, content: bytes, settings: Settings) -> StoredFile:
-    lines = parse_input(content, settings)
+def store_input_file(session: Session, *, tenant: str, filename: str, content: bytes, settings: Settings,
+                     lines: list[InputLine] | None = None) -> StoredFile:
+    """Stores a batch input file; ``lines``: its ``parse_input``, when the caller parsed it already."""
+    lines = parse_input(content, settings) if lines is None else lines
     file = StoredFile(
         id=new_file_id(),
         tenant=tenant,
@@ -194,7 +196,8 @@ def create_batch(
         except DataError:
             request.error_code, request.error = "invalid_body", f"line {item.line}: a value cannot be stored"
         if request.error is not None and len(request.error) > MAX_LINE_ERROR_CHARS:
-            request.error = request.error[:MAX_LINE_ERROR_CHARS - 25] + " ... (error cut at 1,000 characters)"
+            cut = " ... (error cut at 1,000 characters)"
+            request.error = request.error[:MAX_LINE_ERROR_CHARS - len(cut)] + cut
         store.insert_request(session, request=request)
     session.flush()
     return batch, job_ids

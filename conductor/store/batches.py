@@ -36,6 +36,12 @@ def file_usage(session: Session, *, tenant: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+def open_batches(session: Session, *, tenant: str) -> int:
+    """The tenant's batches still running: each will write its output and error files when it ends."""
+    return int(session.execute(sa.select(sa.func.count()).select_from(Batch).where(
+        col(Batch.tenant) == tenant, col(Batch.status).in_(BatchStatus.OPEN))).scalar_one())
+
+
 def delete_file(session: Session, *, file_id: str, tenant: str) -> bool:
     deleted = session.execute(sa.delete(StoredFile).where(col(StoredFile.id) == file_id,
                                                           col(StoredFile.tenant) == tenant))

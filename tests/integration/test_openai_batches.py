@@ -247,6 +247,28 @@ def test_uploads_past_the_tenants_file_quota_are_refused_until_files_are_deleted
         proc.stop()
 
 
+def test_a_running_batch_keeps_room_for_the_files_it_will_write(proc_env: dict[str, str], workers: Any) -> None:
+    """Output and error files are written when a batch ends: each batch still running counts two files
+    against the quota, so batches created one after another cannot promise more files than it allows."""
+    proc, url = start_api({**proc_env, "CONDUCTOR_TENANT_MAX_FILES": "4"})
+    slow = {"task": "t", "workflow": {"model_ids": ["slow"], "subtasks": ["x"], "access_lists": [[]]}}
+    try:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=new_key("tenant-batch-room"), max_retries=0) as client:
+            uploaded = client.files.create(file=("s.jsonl", jsonl([job_line("s", slow)])), purpose="batch")
+            running = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+            with pytest.raises(openai.BadRequestError) as no_room:  # 1 file + 2 to come + 2 asked > 4
+                client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+            assert no_room.value.code == "quota_exceeded"
+            ended = client.batches.cancel(running.id)
+            assert ended.status == "cancelled"
+            held = client.files.list().data  # the input and the cancelled batch's error file
+            assert len(held) == 2 and sum(f.purpose == "batch_output" for f in held) == 1
+            again = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+            assert client.batches.cancel(again.id).status == "cancelled"
+    finally:
+        proc.stop()
+
+
 def test_a_page_of_files_does_not_read_their_content(oai: openai.OpenAI) -> None:
     oai.files.create(file=("big.jsonl", jsonl([chat_line("big", "x" * 50_000)])), purpose="batch")
     statements: list[str] = []

@@ -21,6 +21,7 @@ from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import OpenAIError, openai_errors
 from conductor.service.routes.files import check_file_quota, file_or_404
 from conductor.store import batches as store
+from conductor.store.jobs import lock_tenant
 from conductor.store.models import Batch, BatchStatus
 
 router = APIRouter(tags=["openai"])
@@ -86,7 +87,9 @@ def create(
     # A batch is one submission: refused (429) while the tenant is over its rate or already at its limit
     # of jobs in flight; its lines then count in flight like any job until they end.
     admission(tenant, settings)(session)
-    # Its output and error files are written when it ends, whatever the quota then: the room is asked now.
+    # Its output and error files are written when it ends, whatever the quota then: the room is asked now,
+    # counting what the tenant's running batches will write, under the lock uploads take.
+    lock_tenant(session, tenant=tenant, scope="files")
     check_file_quota(session, tenant, settings, files=2, size=0, what="with a batch's output and error files",
                      param="input_file_id")
     batch, job_ids = create_batch(session, tenant=tenant, input_file=input_file, endpoint=body.endpoint,

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import Response
 from sqlmodel import Session
 
-from conductor.batches import BatchFileError, store_input_file
+from conductor.batches import BatchFileError, parse_input, store_input_file
 from conductor.openai_wire import FileDeleted, FileList, FileObject, FilePurpose
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import OpenAIError, openai_errors
@@ -51,8 +51,11 @@ def file_or_404(session: Session, file_id: str, tenant: str) -> StoredFile:
 
 def check_file_quota(session: Session, tenant: str, settings: Settings, *, files: int, size: int, what: str,
                      param: str) -> None:
-    """400 ``quota_exceeded`` when ``files`` more files of ``size`` bytes would pass the tenant's quota."""
+    """400 ``quota_exceeded`` when ``files`` more files of ``size`` bytes would pass the tenant's quota,
+    counting the two files each of its running batches will write. Call under the tenant's files lock
+    (``lock_tenant(scope="files")``)."""
     held, used = store.file_usage(session, tenant=tenant)
+    held += 2 * store.open_batches(session, tenant=tenant)
     if held + files > settings.tenant_max_files or used + size > settings.tenant_max_file_bytes:
         raise OpenAIError(
             400, f"this tenant's {held} files take {used:,} bytes; {what} it would pass its quota of "
@@ -78,13 +81,17 @@ def upload_file(
     filename = file.filename or "batch.jsonl"
     if unstorable(filename):
         raise OpenAIError(400, f"filename {unstorable(filename)}", param="file", code="invalid_filename")
-    lock_tenant(session, tenant=tenant, scope="files")  # until commit: two uploads cannot both take the last slot
-    check_file_quota(session, tenant, settings, files=1, size=len(content), what="with this one",
-                     param="file")
-    try:
-        stored = store_input_file(session, tenant=tenant, filename=filename, content=content, settings=settings)
+    try:  # before any database work: no connection is held while a 10 MB file is read
+        lines = parse_input(content, settings)
     except BatchFileError as exc:
         raise OpenAIError(http_status(exc.kind), str(exc), code=exc.code, param="file") from exc
+    # The quota check and the insert hold the tenant's files lock until commit (the parse does not), so
+    # two uploads cannot both take the last place.
+    lock_tenant(session, tenant=tenant, scope="files")
+    check_file_quota(session, tenant, settings, files=1, size=len(content), what="with this one",
+                     param="file")
+    stored = store_input_file(session, tenant=tenant, filename=filename, content=content, settings=settings,
+                              lines=lines)
     session.commit()
     return file_object(stored)
 
