@@ -119,6 +119,16 @@ def capped(errors: Sequence[FieldError], loc: tuple[str | int, ...]) -> list[Fie
     return [*errors[:MAX_REPORTED_ERRORS], FieldError(loc, f"... and {more} more problems like these")]
 
 
+def used_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the fields a workflow is read from (``steps``, else the three lists). For workflows stored
+    before fields beside them were refused: a job accepted then still plans as it would have."""
+    if not isinstance(raw, Mapping):
+        return raw
+    if "steps" in raw:
+        return {"steps": raw["steps"]}
+    return {k: v for k, v in raw.items() if k in ("model_ids", "subtasks", "access_lists")}
+
+
 def _steps_from_raw(raw: Mapping[str, Any], loc: tuple[str | int, ...]) -> list[Any]:
     if not isinstance(raw, Mapping):
         raise WorkflowError([FieldError(loc, "must be an object with 'steps' or the three lists")])
@@ -176,7 +186,7 @@ def _check_step(
         if agent == CONDUCTOR_AGENT and not allow_conductor:
             msg = "the conductor may not call itself here: the recursion depth limit is reached"
         else:
-            msg = f"unknown agent '{agent}'; known agents: {', '.join(sorted(known))}"
+            msg = f"unknown agent '{_shown(agent)}'; known agents: {', '.join(sorted(known))}"
         errors.append(FieldError((*here, "agent"), msg))
     instruction = item.get("instruction")
     if not isinstance(instruction, str) or not instruction.strip():
@@ -188,6 +198,11 @@ def _check_step(
     if errors:
         return None, errors
     return Step(agent=str(agent), instruction=str(instruction), access_list=access), []
+
+
+def _shown(value: str, limit: int = 64) -> str:
+    """A value from the request, as quoted in a refusal: cut, so the refusal stays short."""
+    return value if len(value) <= limit else value[:limit] + "..."
 
 
 MAX_ACCESS_ENTRIES = 64
@@ -208,7 +223,7 @@ def _check_access(
     errors: list[FieldError] = []
     for k, ref in enumerate(access):
         if isinstance(ref, bool) or not isinstance(ref, int):
-            errors.append(FieldError((*loc, k), f"{ref!r} is not a step index"))
+            errors.append(FieldError((*loc, k), f"{_shown(repr(ref))} is not a step index"))
         elif ref == i:
             errors.append(FieldError((*loc, k), f"step {i} cannot see itself"))
         elif ref > i:

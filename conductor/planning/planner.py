@@ -13,7 +13,7 @@ from conductor.pool.registry import provider_for
 from conductor.retry import RetryPolicy
 from conductor.settings import Settings
 from conductor.store.models import Job
-from conductor.workflow import CONDUCTOR_AGENT, Workflow, parse_workflow
+from conductor.workflow import CONDUCTOR_AGENT, Workflow, parse_workflow, used_fields
 
 
 def job_limits(job: Job, settings: Settings) -> tuple[int, int]:
@@ -33,7 +33,7 @@ def make_plan(job: Job, *, settings: Settings) -> PlanResult:
     allow_conductor = job.depth < max_depth
     if job.request_workflow is not None:
         wf = parse_workflow(
-            job.request_workflow,
+            used_fields(job.request_workflow),
             agents=pool.worker_names,
             max_steps=max_steps,
             max_instruction_chars=settings.max_instruction_chars,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from conductor.workflow import MAX_REPORTED_ERRORS, WorkflowError, critical_path, parse_workflow
+from conductor.workflow import MAX_REPORTED_ERRORS, WorkflowError, critical_path, parse_workflow, used_fields
 
 AGENTS = ["a", "b", "c"]
 
@@ -123,3 +123,17 @@ def test_a_workflow_built_to_fail_on_every_item_gets_a_bounded_refusal() -> None
 def test_fields_a_workflow_does_not_use_are_refused_not_stored(raw: dict[str, Any]) -> None:
     with pytest.raises(WorkflowError, match="unexpected fields"):
         parse_workflow(raw, agents=["a"], max_steps=5)
+
+
+def test_a_workflow_stored_before_unused_fields_were_refused_still_plans() -> None:
+    stored = {"steps": [{"agent": "a", "instruction": "x", "access_list": []}], "notes": "accepted then"}
+    assert len(parse_workflow(used_fields(stored), agents=["a"], max_steps=5).steps) == 1
+    lists = {"model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]], "reasoning": "accepted then"}
+    assert parse_workflow(used_fields(lists), agents=["a"], max_steps=5).steps[0].agent == "a"
+
+
+def test_a_refusal_quotes_request_values_cut() -> None:
+    with pytest.raises(WorkflowError) as refused:
+        parse_workflow({"steps": [{"agent": "x" * 1_000_000, "instruction": "go", "access_list": ["y" * 500_000]}]},
+                       agents=["a"], max_steps=5)
+    assert len(str(refused.value)) < 1_000 and "xxx..." in str(refused.value)
