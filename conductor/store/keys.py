@@ -62,6 +62,8 @@ def revoke_key(session: Session, *, prefix: str) -> int:
     for row in rows:
         row.revoked_at = utcnow()
         session.add(row)
+    if rows:  # their viewer sessions end with them (tenant_for_session checks the key too)
+        session.execute(sa.delete(UiSession).where(col(UiSession.key_id).in_([r.id for r in rows])))
     return len(rows)
 
 

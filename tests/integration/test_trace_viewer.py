@@ -17,7 +17,7 @@ from sqlmodel import select
 from conductor.store.db import session_scope
 from conductor.store.jobs import get_steps
 from conductor.store.keys import revoke_key
-from conductor.store.models import UiSession
+from conductor.store.models import ApiKey, UiSession
 from tests.integration.conftest import new_key
 from tests.integration.harness import LOGS, wait_terminal
 
@@ -123,6 +123,9 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
         cookie = good.headers["set-cookie"].lower()
         assert "httponly" in cookie and "samesite=strict" in cookie and "path=/ui" in cookie
         token = http.cookies["conductor_session"]
+        # The cookie that held the key itself before sessions is cleared.
+        assert any(c.startswith("conductor_key=") and "max-age=0" in c.lower()
+                   for c in good.headers.get_list("set-cookie"))
         assert key not in good.headers["set-cookie"] and token.startswith("cqs_")  # a session, not the key
         signed_in = http.get(f"/ui/jobs/{diamond}", headers=html)
         assert signed_in.status_code == 200 and "action=\"/ui/login\"" not in signed_in.text
@@ -149,6 +152,9 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
     with session_scope() as s:  # revoking the key ends its browser sessions
         assert revoke_key(s, prefix=key[:10]) == 1
     assert with_cookie(token).status_code == 401
+    with session_scope() as s:
+        key_id = s.exec(select(ApiKey.id).where(ApiKey.prefix == key[:10])).one()
+        assert s.exec(select(UiSession).where(UiSession.key_id == key_id)).all() == []
 
 
 def test_a_recursive_step_shows_its_child_job_nested(client: httpx.Client, api: str) -> None:

@@ -31,6 +31,8 @@ from conductor.store.models import JobStatus, utcnow
 router = APIRouter(prefix="/ui", include_in_schema=True, tags=["ui"])
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 COOKIE = "conductor_session"
+OLD_COOKIE = "conductor_key"
+"""Held the API key itself before sessions: cleared at login and logout."""
 COOKIE_MAX_AGE_S = 8 * 3600
 MAX_KEY_CHARS = 256
 MAX_LIST_LIMIT = 200
@@ -139,6 +141,7 @@ def login(
     response = RedirectResponse(_safe_next(next), status_code=303)
     response.set_cookie(COOKIE, signed_in[1], max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
                         samesite="strict", secure=request.url.scheme == "https")
+    response.delete_cookie(OLD_COOKIE, path="/ui")
     return response
 
 
@@ -150,6 +153,7 @@ def logout(request: Request, session: SessionDep, settings: SettingsDep) -> Redi
         session.commit()
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
+    response.delete_cookie(OLD_COOKIE, path="/ui")
     return response
 
 
