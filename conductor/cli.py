@@ -329,15 +329,19 @@ def _webhook_url_arg(url: str) -> str:
 
 
 def _webhooks_secret(args: argparse.Namespace) -> int:
+    from conductor.sealed import SealError
     from conductor.store import webhooks as store
     from conductor.store.db import session_scope
     from conductor.webhooks.signing import new_secret
 
     tenant = _tenant_arg(args)
-    with session_scope() as s:
-        if args.rotate:
-            store.set_webhook_secret(s, tenant=tenant, secret=new_secret())
-        secret = store.ensure_webhook_secret(s, tenant=tenant, new=new_secret())
+    try:
+        with session_scope() as s:
+            if args.rotate:
+                store.set_webhook_secret(s, tenant=tenant, secret=new_secret())
+            secret = store.ensure_webhook_secret(s, tenant=tenant, new=new_secret())
+    except SealError as exc:
+        raise CliError(str(exc)) from exc
     verb = "new" if args.rotate else "current"
     print(f"{verb} webhook signing secret for tenant '{tenant}' (verify webhook-signature with it):")
     print(secret)

@@ -156,6 +156,10 @@ class Settings(BaseSettings):
     api_key_pepper: str = ""
     """Keyed into every API-key hash; set it in production so a leaked table alone verifies nothing."""
 
+    secrets_key: str = Field(default="", repr=False)
+    """Fernet key(s), comma-separated (the first seals, any opens), sealing the webhook signing secrets
+    at rest (``conductor.sealed``); empty stores them as given."""
+
     step_queues: dict[str, str] = Field(default_factory=dict)
     """Agent name -> the Celery queue its steps go to (JSON: ``{"gpt-5": "steps-openai"}``), so one
     provider's slow or rate-limited calls hold only the workers of its own queue. Other agents' steps go

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from conductor.sealed import SECRETS_KEY_WARNING
 from conductor.service.deps import SessionDep
 from conductor.service.openai_errors import install_openai_errors
 from conductor.service.openapi import published_schema
@@ -26,6 +27,8 @@ def create_app() -> FastAPI:
     startup = get_settings()
     if startup.auth_required and not startup.api_key_pepper:
         log.warning(PEPPER_WARNING)
+    if startup.auth_required and not startup.secrets_key:
+        log.warning(SECRETS_KEY_WARNING)
     install_error_handlers(app)
     app.add_middleware(BodyLimit)
 

@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
+from conductor.sealed import seal, unseal
 from conductor.store.models import (
     DeliveryStatus,
     Job,
@@ -72,14 +73,14 @@ def _default_webhook_url_stmt() -> sa.Select[Any]:
 
 def set_webhook_secret(session: Session, *, tenant: str, secret: str) -> None:
     row = _tenant_row(session, tenant)
-    row.webhook_secret = secret
+    row.webhook_secret = seal(secret)
     row.secret_created_at = row.updated_at = utcnow()
     session.flush()
 
 
 def webhook_secret(session: Session, *, tenant: str) -> str | None:
     row = session.get(TenantSettings, tenant)
-    return row.webhook_secret if row else None
+    return unseal(row.webhook_secret) if row and row.webhook_secret else None
 
 
 # --- endpoints disabled by 410 --------------------------------------------------------------------
@@ -302,12 +303,14 @@ def ended_jobs_without_delivery(session: Session, *, since: datetime, limit: int
 
 
 def ensure_webhook_secret(session: Session, *, tenant: str, new: str) -> str:
-    """The tenant's secret, storing ``new`` first if it has none; two concurrent callers get the same one."""
+    """The tenant's secret, storing ``new`` first if it has none; two concurrent callers get the same one.
+    Stored sealed when ``CONDUCTOR_SECRETS_KEY`` is set (``conductor.sealed``)."""
     now = utcnow()
+    new_sealed = seal(new)
     session.execute(
         sa.update(TenantSettings)
         .where(col(TenantSettings.tenant) == tenant, col(TenantSettings.webhook_secret).is_(None))
-        .values(webhook_secret=new, secret_created_at=now, updated_at=now)
+        .values(webhook_secret=new_sealed, secret_created_at=now, updated_at=now)
     )
     current = session.execute(
         sa.select(col(TenantSettings.webhook_secret)).where(col(TenantSettings.tenant) == tenant)
@@ -315,14 +318,14 @@ def ensure_webhook_secret(session: Session, *, tenant: str, new: str) -> str:
     if current is None:
         try:
             with session.begin_nested():
-                session.add(TenantSettings(tenant=tenant, webhook_secret=new, secret_created_at=now))
+                session.add(TenantSettings(tenant=tenant, webhook_secret=new_sealed, secret_created_at=now))
         except sa.exc.IntegrityError:
             pass
         current = session.execute(
             sa.select(col(TenantSettings.webhook_secret)).where(col(TenantSettings.tenant) == tenant)
         ).first()
     assert current is not None and current[0] is not None
-    return str(current[0])
+    return unseal(str(current[0]))
 
 
 def _rowcount(result: Any) -> int:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis
 import sqlalchemy as sa
+from cryptography.fernet import Fernet
 from standardwebhooks import Webhook
 
 from conductor.settings import get_settings
@@ -35,11 +36,16 @@ def receiver() -> Iterator[Receiver]:
         yield r
 
 
+SECRETS_KEY = Fernet.generate_key().decode()
+
+
 @pytest.fixture(scope="module")
 def hook_env(proc_env: dict[str, str]) -> dict[str, str]:
-    """The receiver is on loopback, so loopback is allowed; retries come after 0.5 s instead of minutes."""
+    """The receiver is on loopback, so loopback is allowed; retries come after 0.5 s instead of minutes.
+    Secrets are sealed at rest here (``CONDUCTOR_SECRETS_KEY``); the other webhook tests store them as given."""
     return {**proc_env, "CONDUCTOR_WEBHOOK_ALLOW_LOOPBACK": "true", "CONDUCTOR_WEBHOOK_BACKOFF_S": "[0.5, 0.5, 0.5]",
-            "CONDUCTOR_WEBHOOK_TIMEOUT_S": "5", "CONDUCTOR_RECONCILE_STALE_S": "0"}
+            "CONDUCTOR_WEBHOOK_TIMEOUT_S": "5", "CONDUCTOR_RECONCILE_STALE_S": "0",
+            "CONDUCTOR_SECRETS_KEY": SECRETS_KEY}
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +262,37 @@ def test_an_ended_job_without_a_delivery_row_gets_one_from_the_reconciler(
         time.sleep(1)
     _, again = receiver.wait_for("/backfill", 2)
     assert verified(tenant.secret, again)["data"]["id"] == job_id
+
+
+def stored_secret(tenant: str) -> str:
+    with get_engine(get_settings().database_url).connect() as conn:
+        return str(conn.execute(sa.text("SELECT webhook_secret FROM tenant_settings WHERE tenant = :t"),
+                                {"t": tenant}).scalar_one())
+
+
+def test_secrets_are_sealed_at_rest_and_one_stored_before_the_key_still_signs(
+    tenant: Tenant, receiver: Receiver, hook_env: dict[str, str]
+) -> None:
+    sealed = stored_secret(tenant.name)
+    assert sealed.startswith("fernet:") and tenant.secret not in sealed and tenant.secret[6:] not in sealed
+    assert len(sealed) > 128  # the column was widened for it (migration 0014)
+
+    # A secret written before the key was set (plaintext) still signs, and --rotate seals its successor.
+    legacy = "whsec_" + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVphYmNkZWY="
+    with get_engine(get_settings().database_url).begin() as conn:
+        conn.execute(sa.text("UPDATE tenant_settings SET webhook_secret = :s WHERE tenant = :t"),
+                     {"s": legacy, "t": tenant.name})
+    url = receiver.on("/legacy", 200)
+    job_id = submit(tenant.client, workflow=TWO_STEPS, webhook_url=url)
+    wait_terminal(tenant.client, job_id)
+    [got] = receiver.wait_for("/legacy", 1)
+    assert verified(legacy, got)["data"]["id"] == job_id
+    rotated = cli("webhooks", "secret", "--tenant", tenant.name, "--rotate", env=hook_env)
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.strip().splitlines()[-1]
+    assert new != legacy and stored_secret(tenant.name).startswith("fernet:")
+
+    # A process without the key cannot open it, and says what to set.
+    without = cli("webhooks", "secret", "--tenant", tenant.name, env={**hook_env, "CONDUCTOR_SECRETS_KEY": ""})
+    assert without.returncode == 1 and new not in without.stdout
+    assert without.stderr.startswith("conductor: ") and "CONDUCTOR_SECRETS_KEY is not set" in without.stderr
