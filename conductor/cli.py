@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tenant", required=True)
     c.add_argument("--rotate", action="store_true", help="replace it with a new one (receivers must switch)")
     c.set_defaults(handler=_webhooks_secret)
+    c = hooks.add_parser("reseal", help="seal every stored signing secret with the first CONDUCTOR_SECRETS_KEY "
+                         "(after setting or rotating it; receivers keep their secrets)")
+    c.add_argument("--tenant", help="only this tenant's secret (default: every tenant's)")
+    c.set_defaults(handler=_webhooks_reseal)
     c = hooks.add_parser("url", help="show or set the webhook URL used for a tenant's jobs that name none")
     c.add_argument("--tenant", required=True)
     c.add_argument("url", nargs="?", help="the default URL (omit to show the current one)")
@@ -201,6 +205,10 @@ def _worker(args: argparse.Namespace) -> int:
 
     known = all_queues(get_settings())
     queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+    if "webhooks" in queues and not get_settings().secrets_key:
+        from conductor.sealed import SECRETS_KEY_WARNING
+
+        print(f"warning: {SECRETS_KEY_WARNING}", file=sys.stderr)
     unknown = set(queues) - set(known)
     if unknown or not queues:
         raise CliError(f"unknown queue(s) {', '.join(sorted(unknown))}; use {', '.join(known)} "
@@ -342,9 +350,33 @@ def _webhooks_secret(args: argparse.Namespace) -> int:
             secret = store.ensure_webhook_secret(s, tenant=tenant, new=new_secret())
     except SealError as exc:
         raise CliError(str(exc)) from exc
+    if not get_settings().secrets_key:
+        from conductor.sealed import SECRETS_KEY_WARNING
+
+        print(f"warning: {SECRETS_KEY_WARNING}", file=sys.stderr)
     verb = "new" if args.rotate else "current"
     print(f"{verb} webhook signing secret for tenant '{tenant}' (verify webhook-signature with it):")
     print(secret)
+    return 0
+
+
+def _webhooks_reseal(args: argparse.Namespace) -> int:
+    from conductor.sealed import SealError
+    from conductor.store import webhooks as store
+    from conductor.store.db import session_scope
+
+    if not get_settings().secrets_key:
+        raise CliError("CONDUCTOR_SECRETS_KEY is not set: set the key(s) to seal with, the new one first")
+    try:
+        with session_scope() as s:
+            result = store.reseal_secrets(s, tenant=args.tenant)
+    except SealError as exc:
+        raise CliError(str(exc)) from exc
+    print(f"re-sealed {result.resealed} of {result.tenants} tenants' signing secrets with the first key")
+    if result.unopened:
+        shown = ", ".join(result.unopened[:10]) + (" …" if len(result.unopened) > 10 else "")
+        raise CliError(f"{len(result.unopened)} tenants' secrets open with none of the keys (add the key they "
+                       f"were sealed with, or give those tenants new secrets with --rotate): {shown}")
     return 0
 
 

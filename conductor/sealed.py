@@ -3,7 +3,11 @@ with ``CONDUCTOR_SECRETS_KEY`` (Fernet: AES-128-CBC with HMAC-SHA256), so a leak
 does not let anyone forge webhooks. Several comma-separated keys rotate: the first seals, any opens.
 
 Without a key, values are stored as given (the service warns at start). A value stored before a key was
-set still opens (it has no ``SEALED_PREFIX``) and is sealed the next time it is written."""
+set still opens (it has no ``SEALED_PREFIX``); it is sealed, as is one sealed with a key that is no longer
+the first, the next time it is read for a delivery or by ``conductor webhooks reseal``.
+
+Rotating: add the new key *second* on every process; then put it first everywhere; run ``conductor
+webhooks reseal`` (or let deliveries re-seal); then drop the old key."""
 
 from __future__ import annotations
 
@@ -26,26 +30,48 @@ class SealError(ValueError):
 
 
 @lru_cache(maxsize=4)
-def _box(keys: str) -> MultiFernet | None:
+def _boxes(keys: str) -> tuple[MultiFernet, Fernet] | None:
+    """Every key (to open) and the first (to seal); None without keys."""
     parts = [k.strip() for k in keys.split(",") if k.strip()]
     if not parts:
         return None
     try:
-        return MultiFernet([Fernet(k.encode()) for k in parts])
+        each = [Fernet(k.encode()) for k in parts]
     except ValueError as exc:
         raise SealError("CONDUCTOR_SECRETS_KEY must be Fernet keys (32 url-safe base64 bytes each), "
                         "comma-separated") from exc
+    return MultiFernet(each), each[0]
+
+
+def _box(keys: str | None) -> MultiFernet | None:
+    boxes = _boxes(get_settings().secrets_key if keys is None else keys)
+    return None if boxes is None else boxes[0]
 
 
 def seal(value: str, keys: str | None = None) -> str:
-    box = _box(get_settings().secrets_key if keys is None else keys)
+    box = _box(keys)
     return value if box is None else SEALED_PREFIX + box.encrypt(value.encode()).decode()
+
+
+def needs_sealing(stored: str, keys: str | None = None) -> bool:
+    """Whether ``stored`` should be written again: a key is set and the value is plaintext or sealed with
+    a key other than the first (a rotation in progress)."""
+    boxes = _boxes(get_settings().secrets_key if keys is None else keys)
+    if boxes is None:
+        return False
+    if not stored.startswith(SEALED_PREFIX):
+        return True
+    try:
+        boxes[1].decrypt(stored[len(SEALED_PREFIX):].encode())
+    except InvalidToken:
+        return True
+    return False
 
 
 def unseal(stored: str, keys: str | None = None) -> str:
     if not stored.startswith(SEALED_PREFIX):
         return stored  # stored before a key was set
-    box = _box(get_settings().secrets_key if keys is None else keys)
+    box = _box(keys)
     if box is None:
         raise SealError("a stored secret is sealed but CONDUCTOR_SECRETS_KEY is not set: set the key it was "
                         "sealed with on this process")

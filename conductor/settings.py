@@ -160,6 +160,21 @@ class Settings(BaseSettings):
     """Fernet key(s), comma-separated (the first seals, any opens), sealing the webhook signing secrets
     at rest (``conductor.sealed``); empty stores them as given."""
 
+    @field_validator("secrets_key")
+    @classmethod
+    def _fernet_keys(cls, v: str) -> str:
+        """A malformed key stops every process at start, not at its first webhook."""
+        from cryptography.fernet import Fernet
+
+        for key in (k.strip() for k in v.split(",")):
+            try:
+                if key:
+                    Fernet(key.encode())
+            except ValueError as exc:
+                raise ValueError("CONDUCTOR_SECRETS_KEY must be Fernet keys (32 url-safe base64 bytes each), "
+                                 "comma-separated") from exc
+        return v
+
     step_queues: dict[str, str] = Field(default_factory=dict)
     """Agent name -> the Celery queue its steps go to (JSON: ``{"gpt-5": "steps-openai"}``), so one
     provider's slow or rate-limited calls hold only the workers of its own queue. Other agents' steps go

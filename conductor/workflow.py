@@ -120,13 +120,28 @@ def capped(errors: Sequence[FieldError], loc: tuple[str | int, ...]) -> list[Fie
 
 
 def used_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Only the fields a workflow is read from (``steps``, else the three lists). For workflows stored
-    before fields beside them were refused: a job accepted then still plans as it would have."""
+    """Only the fields a workflow is read from (``steps``, else the three lists), with repeated access-list
+    entries merged. For workflows stored before fields beside them and access lists longer than their
+    step could list were refused: a job accepted then still plans as it would have."""
     if not isinstance(raw, Mapping):
         return raw
     if "steps" in raw:
-        return {"steps": raw["steps"]}
-    return {k: v for k, v in raw.items() if k in ("model_ids", "subtasks", "access_lists")}
+        steps = raw["steps"]
+        if isinstance(steps, list):
+            steps = [{**st, "access_list": _merged(st["access_list"])}
+                     if isinstance(st, Mapping) and "access_list" in st else st for st in steps]
+        return {"steps": steps}
+    used = {k: v for k, v in raw.items() if k in ("model_ids", "subtasks", "access_lists")}
+    if isinstance(used.get("access_lists"), list):
+        used["access_lists"] = [_merged(acc) for acc in used["access_lists"]]
+    return used
+
+
+def _merged(access: Any) -> Any:
+    """An access list of step indices with repeats merged (as parsing merges them); anything else as is."""
+    if isinstance(access, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in access):
+        return sorted(set(access))
+    return access
 
 
 def _steps_from_raw(raw: Mapping[str, Any], loc: tuple[str | int, ...]) -> list[Any]:

@@ -304,8 +304,8 @@ class TenantSettings(SQLModel, table=True):
     webhook_url: str | None = Field(default=None, max_length=2048)
     """Used for every job of the tenant that names no ``webhook_url`` of its own."""
     webhook_secret: str | None = Field(default=None, max_length=512, repr=False)
-    """Sealed with ``CONDUCTOR_SECRETS_KEY`` when it is set (``fernet:…``, about 170 characters)."""
-    """The ``whsec_…`` signing secret. Kept so workers can sign; never logged or shown in traces."""
+    """The ``whsec_…`` signing secret. Kept so workers can sign; never logged or shown in traces. Sealed
+    with ``CONDUCTOR_SECRETS_KEY`` when it is set (``fernet:…``, about 170 characters)."""
     secret_created_at: datetime | None = _ts()
     updated_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
 

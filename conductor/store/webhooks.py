@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from conductor.sealed import seal, unseal
+from conductor.sealed import SealError, needs_sealing, seal, unseal
 from conductor.store.models import (
     DeliveryStatus,
     Job,
@@ -325,7 +326,50 @@ def ensure_webhook_secret(session: Session, *, tenant: str, new: str) -> str:
             sa.select(col(TenantSettings.webhook_secret)).where(col(TenantSettings.tenant) == tenant)
         ).first()
     assert current is not None and current[0] is not None
-    return unseal(str(current[0]))
+    stored = str(current[0])
+    plain = unseal(stored)
+    if needs_sealing(stored):
+        _reseal(session, tenant, stored, plain)
+    return plain
+
+
+def _reseal(session: Session, tenant: str, stored: str, plain: str) -> bool:
+    """Writes ``plain`` sealed with the first key, unless the stored value changed meanwhile."""
+    done = session.execute(
+        sa.update(TenantSettings)
+        .where(col(TenantSettings.tenant) == tenant, col(TenantSettings.webhook_secret) == stored)
+        .values(webhook_secret=seal(plain))
+    )
+    return _rowcount(done) == 1
+
+
+@dataclass(frozen=True)
+class Resealed:
+    resealed: int
+    tenants: int
+    unopened: list[str]
+    """Tenants whose secret no configured key opens (sealed with a key that was dropped): left as they are."""
+
+
+def reseal_secrets(session: Session, *, tenant: str | None = None) -> Resealed:
+    """Seals every stored secret (or ``tenant``'s) that is plaintext or sealed with a key other than the
+    first with the first (``conductor webhooks reseal``, after a key is added or rotated)."""
+    stmt = (sa.select(col(TenantSettings.tenant), col(TenantSettings.webhook_secret))
+            .where(col(TenantSettings.webhook_secret).is_not(None)))
+    if tenant is not None:
+        stmt = stmt.where(col(TenantSettings.tenant) == tenant)
+    rows = session.execute(stmt).all()
+    done, unopened = 0, []
+    for name, stored in rows:
+        if not needs_sealing(str(stored)):
+            continue
+        try:
+            plain = unseal(str(stored))
+        except SealError:
+            unopened.append(str(name))
+            continue
+        done += _reseal(session, str(name), str(stored), plain)
+    return Resealed(done, len(rows), unopened)
 
 
 def _rowcount(result: Any) -> int:

@@ -24,6 +24,7 @@ import httpcore
 import httpx
 from sqlmodel import Session
 
+from conductor.sealed import SealError
 from conductor.settings import Settings
 from conductor.store import jobs as job_store
 from conductor.store import webhooks as store
@@ -57,6 +58,10 @@ class _Answer:
     error: str | None
 
 
+UNSEALABLE = ("not sent: the worker could not open the tenant's signing secret (the operator must give "
+              "every webhooks worker the CONDUCTOR_SECRETS_KEY it was sealed with)")
+
+
 def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outcome:
     """Makes the attempt that is due now; a duplicate message (none due, or one in flight) does nothing."""
     with session_scope() as s:
@@ -73,8 +78,14 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
             store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.DISABLED)
             return Outcome()
         body = row.payload or _freeze_payload(s, row, render)
-        secret = store.ensure_webhook_secret(s, tenant=row.tenant, new=new_secret())
+        try:
+            secret: str | None = store.ensure_webhook_secret(s, tenant=row.tenant, new=new_secret())
+        except SealError as exc:  # this worker lacks the key: an attempt on record, retried with backoff
+            log.error("webhook %s (tenant %s): %s", row.id, row.tenant, exc)
+            secret = None
     started = utcnow()
+    if secret is None:
+        return _settle(row, started, _Answer(None, None, UNSEALABLE), settings)
     clock = time.monotonic()
     try:
         target = resolve(row.url, allow_loopback=settings.webhook_allow_loopback)

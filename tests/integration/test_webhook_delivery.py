@@ -16,10 +16,11 @@ from conductor.engine import Dispatch, plan_job, run_step
 from conductor.settings import Settings, get_settings
 from conductor.store import webhooks as store
 from conductor.store.db import session_scope
-from conductor.store.models import DeliveryStatus, WebhookAttempt, WebhookDelivery, utcnow
+from conductor.store.models import DeliveryStatus, TenantSettings, WebhookAttempt, WebhookDelivery, utcnow
 from conductor.submission import JobCreate, create_job
 from conductor.tasks.webhooks import job_payload
 from conductor.webhooks.deliver import deliver
+from conductor.webhooks.signing import new_secret
 from tests.integration.webhook_receiver import Receiver, serve_receiver
 
 ONE_STEP = {"model_ids": ["a"], "subtasks": ["s"], "access_lists": [[]]}
@@ -162,3 +163,58 @@ def test_a_receiver_trickling_its_answer_cannot_hold_the_attempt_past_its_timeou
     assert delivery.status == DeliveryStatus.PENDING  # retried later, like any receiver that did not answer
     with session_scope() as s:
         store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)
+
+
+def test_sealing_secrets_plaintext_then_sealed_then_rotated_and_a_worker_without_the_key(
+    settings: Settings, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cryptography.fernet import Fernet
+    from standardwebhooks import Webhook
+
+    from conductor.sealed import needs_sealing, unseal
+    from conductor.webhooks.deliver import UNSEALABLE
+
+    def stored() -> str:
+        with session_scope() as s:
+            row = s.get(TenantSettings, "hooks-engine")
+            assert row is not None and row.webhook_secret is not None
+            return row.webhook_secret
+
+    def use_keys(keys: str) -> None:
+        monkeypatch.setenv("CONDUCTOR_SECRETS_KEY", keys)
+        get_settings.cache_clear()
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    try:
+        use_keys("")
+        with session_scope() as s:  # a secret stored before any key was set
+            plain = store.ensure_webhook_secret(s, tenant="hooks-engine", new=new_secret())
+        assert stored() == plain
+
+        use_keys(old)  # the key is set: the next delivery signs with the same secret and seals it
+        first = ended_job_delivery(settings, receiver.on("/sealing", 200, 200))
+        deliver(first, settings=settings, render=job_payload)
+        [got] = receiver.at("/sealing")
+        Webhook(plain).verify(got.body, got.headers)
+        assert stored().startswith("fernet:") and unseal(stored(), old) == plain
+
+        use_keys("")  # a worker without the key: an attempt on record saying why, nothing sent, retried
+        second = ended_job_delivery(settings, receiver.on("/no-key", 200))
+        outcome = deliver(second, settings=settings, render=job_payload)
+        delivery, attempts = row(second)
+        assert receiver.at("/no-key") == [] and delivery.status == DeliveryStatus.PENDING
+        assert [a.error for a in attempts] == [UNSEALABLE] and outcome.retry_in is not None
+        with session_scope() as s:
+            store.finish_delivery(s, delivery_id=second, status=DeliveryStatus.FAILED)
+
+        use_keys(f"{new},{old}")  # rotation: the new key first; reseal rewrites with it, the secret unchanged
+        assert needs_sealing(stored())
+        with session_scope() as s:
+            result = store.reseal_secrets(s, tenant="hooks-engine")
+        assert (result.resealed, result.tenants, result.unopened) == (1, 1, [])
+        assert unseal(stored(), new) == plain and not needs_sealing(stored())
+    finally:
+        monkeypatch.delenv("CONDUCTOR_SECRETS_KEY", raising=False)
+        get_settings.cache_clear()
+        with session_scope() as s:  # the tenant's secret as other tests expect it: plaintext
+            store.set_webhook_secret(s, tenant="hooks-engine", secret=new_secret())

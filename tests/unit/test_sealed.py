@@ -41,3 +41,25 @@ def test_without_a_key_values_are_stored_as_given_and_old_plaintext_still_opens(
 def test_a_key_that_is_not_a_fernet_key_is_refused_clearly() -> None:
     with pytest.raises(SealError, match="Fernet keys"):
         seal(SECRET, "correct horse battery staple")
+
+
+def test_a_malformed_key_stops_the_settings_from_loading() -> None:
+    from pydantic import ValidationError
+
+    from conductor.settings import Settings
+
+    with pytest.raises(ValidationError, match="Fernet keys"):
+        Settings(secrets_key="not-a-key")
+    key = Fernet.generate_key().decode()
+    assert Settings(secrets_key=f"{key}, {Fernet.generate_key().decode()}").secrets_key.startswith(key)
+
+
+def test_what_needs_sealing_again() -> None:
+    from conductor.sealed import needs_sealing
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    assert not needs_sealing(SECRET, "")  # no key: nothing to do
+    assert needs_sealing(SECRET, old)  # plaintext stored before the key
+    assert not needs_sealing(seal(SECRET, old), old)
+    assert needs_sealing(seal(SECRET, old), f"{new},{old}")  # a rotation: sealed with a key not first
+    assert not needs_sealing(seal(SECRET, f"{new},{old}"), f"{new},{old}")

@@ -130,6 +130,8 @@ def test_a_workflow_stored_before_unused_fields_were_refused_still_plans() -> No
     assert len(parse_workflow(used_fields(stored), agents=["a"], max_steps=5).steps) == 1
     lists = {"model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]], "reasoning": "accepted then"}
     assert parse_workflow(used_fields(lists), agents=["a"], max_steps=5).steps[0].agent == "a"
+    repeated = {"model_ids": ["a", "a"], "subtasks": ["x", "y"], "access_lists": [[], [0] * 100]}
+    assert parse_workflow(used_fields(repeated), agents=["a"], max_steps=5).steps[1].access_list == [0]
 
 
 def test_a_refusal_quotes_request_values_cut() -> None:

@@ -55,10 +55,11 @@ def check_file_quota(session: Session, tenant: str, settings: Settings, *, files
     counting the two files each of its running batches will write. Call under the tenant's files lock
     (``lock_tenant(scope="files")``)."""
     held, used = store.file_usage(session, tenant=tenant)
-    held += 2 * store.open_batches(session, tenant=tenant)
-    if held + files > settings.tenant_max_files or used + size > settings.tenant_max_file_bytes:
+    running = store.open_batches(session, tenant=tenant)
+    if held + 2 * running + files > settings.tenant_max_files or used + size > settings.tenant_max_file_bytes:
+        pending = f" and its {running} running batches will write {2 * running} more" if running else ""
         raise OpenAIError(
-            400, f"this tenant's {held} files take {used:,} bytes; {what} it would pass its quota of "
+            400, f"this tenant's {held} files take {used:,} bytes{pending}; {what} it would pass its quota of "
             f"{settings.tenant_max_files:,} files or {settings.tenant_max_file_bytes:,} bytes "
             "(CONDUCTOR_TENANT_MAX_FILES, CONDUCTOR_TENANT_MAX_FILE_BYTES): delete files you no longer need "
             "(DELETE /v1/files/{file_id}) and try again", param=param, code="quota_exceeded")
