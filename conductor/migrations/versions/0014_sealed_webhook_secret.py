@@ -24,6 +24,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # Postgres refuses while a sealed secret (longer than 128) is stored: re-create those tenants' secrets
+    # without CONDUCTOR_SECRETS_KEY (conductor webhooks secret --rotate) before going back.
     with op.batch_alter_table("tenant_settings") as batch:
         batch.alter_column("webhook_secret", type_=sa.String(128), existing_type=sa.String(512),
                            existing_nullable=True)
