@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from pydantic_core import PydanticUndefined
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import QueryableAttribute, defer
 from sqlmodel import Session, col, select
 
@@ -670,13 +671,24 @@ def claim_step_row(
         return None
     claim = ClaimedStep(step_id=int(row[0]), attempts=int(row[1]) - (1 if count_attempt else 0))
     if open_below is not None and count_attempt and claim.attempts < open_below:
-        n = claim.attempts + 1
-        landed = direct.execute(_own_attempt_stmt(), {"p_step_id": claim.step_id, "p_n": n,
-                                                      "p_owner": owner}).scalar()
-        opened = int(landed) if landed is not None else open_attempt(session, step_id=claim.step_id, n=n,
-                                                                      worker=owner)
-        return ClaimedStep(claim.step_id, claim.attempts, opened)
+        attempt = {"p_step_id": claim.step_id, "p_n": claim.attempts + 1, "p_owner": owner, "p_now": now}
+        opened = direct.execute(_open_new_attempt_stmt(), attempt).scalar()
+        if opened is None:  # there already: the attempt this owner's landed claim opened
+            opened = direct.execute(_own_attempt_stmt(), attempt).scalar_one()
+        return ClaimedStep(claim.step_id, claim.attempts, int(opened))
     return claim
+
+
+@cache
+def _open_new_attempt_stmt() -> sa.Insert:
+    """SQLite: opens attempt ``n`` unless it exists (no row returned then)."""
+    a = ATTEMPT
+    return (sqlite_insert(a)
+            .values(step_id=sa.bindparam("p_step_id"), n=sa.bindparam("p_n"),
+                    worker=sa.bindparam("p_owner", type_=sa.String()),
+                    started_at=sa.bindparam("p_now", type_=UTCDateTime()))
+            .on_conflict_do_nothing(index_elements=[a.c.step_id, a.c.n])
+            .returning(a.c.id))
 
 
 @cache

@@ -23,6 +23,26 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 @contextmanager
+def sent_statements() -> Iterator[list[str]]:
+    """Every SQL statement this process sends to the test database while the block runs."""
+    import sqlalchemy as sa
+
+    from conductor.store.db import get_engine
+
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    engine = get_engine()
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    try:
+        yield statements
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
+
+
+@contextmanager
 def agent_queue(monkeypatch: pytest.MonkeyPatch, agent: str, queue: str) -> Iterator[dict[str, str]]:
     """This process routes ``agent``'s steps to ``queue`` (``CONDUCTOR_STEP_QUEUES``) until the block ends;
     then the setting is restored and the queue's leftover messages are dropped. Yields the mapping, for

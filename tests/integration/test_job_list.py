@@ -12,12 +12,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import sqlalchemy as sa
 
 from conductor.store import jobs as store
-from conductor.store.db import get_engine, session_scope
+from conductor.store.db import session_scope
 from tests.integration.conftest import new_key
-from tests.integration.harness import wait_terminal
+from tests.integration.harness import sent_statements, wait_terminal
 
 PROBLEM = "application/problem+json"
 
@@ -150,23 +149,13 @@ def test_a_page_of_jobs_and_a_status_poll_read_no_texts_they_do_not_show(lister:
                                                                           jobs: list[dict[str, Any]]) -> None:
     """A summary shows a 200-character task: the page must not read every job's workflow, context and
     answer; an event stream's poll reads its steps' statuses, not their messages and outputs."""
-    statements: list[str] = []
-
-    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(statement)
-
-    engine = get_engine()
-    sa.event.listen(engine, "before_cursor_execute", seen)
-    try:
-        with session_scope() as s:
-            page = store.list_jobs(s, tenant="lister", limit=200)
-            done = next(j for j in page if j.status == "succeeded")
-            steps = store.get_steps(s, job_id=done.id, light=True)
-            heavy = r"job\.(request_workflow|pool_config|planner_raw|answer|context)\b"
-            assert len(page) >= 9 and not re.search(heavy, statements[0]), statements[0]
-            assert steps and not re.search(r"step\.(messages|output|instruction)\b", statements[1]), statements[1]
-            assert done.answer and steps[0].output  # still there when asked for
-    finally:
-        sa.event.remove(engine, "before_cursor_execute", seen)
+    with sent_statements() as statements, session_scope() as s:
+        page = store.list_jobs(s, tenant="lister", limit=200)
+        done = next(j for j in page if j.status == "succeeded")
+        steps = store.get_steps(s, job_id=done.id, light=True)
+        heavy = r"job\.(request_workflow|pool_config|planner_raw|answer|context)\b"
+        assert len(page) >= 9 and not re.search(heavy, statements[0]), statements[0]
+        assert steps and not re.search(r"step\.(messages|output|instruction)\b", statements[1]), statements[1]
+        assert done.answer and steps[0].output  # still there when asked for
     listed = lister.get("/v1/jobs", params={"limit": 200}).json()["data"]
     assert [j["id"] for j in listed][:len(page)] == [j.id for j in page]

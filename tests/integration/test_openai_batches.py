@@ -24,10 +24,10 @@ from sqlmodel import select
 from conductor.reconcile import reconcile_once
 from conductor.settings import get_settings
 from conductor.store import batches as store
-from conductor.store.db import get_engine, session_scope
+from conductor.store.db import session_scope
 from conductor.store.models import Batch, Job, utcnow
 from tests.integration.conftest import new_key
-from tests.integration.harness import start_api
+from tests.integration.harness import sent_statements, start_api
 
 SIM_ANSWER = "[a] Solve the task and give the final answer."
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -271,23 +271,13 @@ def test_a_running_batch_keeps_room_for_the_files_it_will_write(proc_env: dict[s
 
 def test_a_page_of_files_does_not_read_their_content(oai: openai.OpenAI) -> None:
     oai.files.create(file=("big.jsonl", jsonl([chat_line("big", "x" * 50_000)])), purpose="batch")
-    statements: list[str] = []
-
-    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(statement)
-
-    engine = get_engine()
-    sa.event.listen(engine, "before_cursor_execute", seen)
-    try:
-        with session_scope() as s:
-            page = store.list_files(s, tenant="tenant-batch", purpose=None, after=None, limit=100)
-            one = store.get_file(s, file_id=page[0].id, tenant="tenant-batch")
-            assert one is not None and one.size_bytes > 50_000
-            reads = [st for st in statements if "FROM stored_file" in st]
-            assert len(reads) == 2 and not any("stored_file.content" in st for st in reads), reads
-            assert len(one.content) == one.size_bytes  # read when used
-    finally:
-        sa.event.remove(engine, "before_cursor_execute", seen)
+    with sent_statements() as statements, session_scope() as s:
+        page = store.list_files(s, tenant="tenant-batch", purpose=None, after=None, limit=100)
+        one = store.get_file(s, file_id=page[0].id, tenant="tenant-batch")
+        assert one is not None and one.size_bytes > 50_000
+        reads = [st for st in statements if "FROM stored_file" in st]
+        assert len(reads) == 2 and not any("stored_file.content" in st for st in reads), reads
+        assert len(one.content) == one.size_bytes  # read when used
 
 
 def test_cancel_ends_the_batch_with_what_finished(oai: openai.OpenAI) -> None:

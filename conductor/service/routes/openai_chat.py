@@ -239,39 +239,34 @@ async def _stream(job_id: str, model: str, settings: Settings, key: str | None, 
     deadline = time.monotonic() + settings.chat_max_wait_s
     seen: dict[str, str] = {}
     last_sent = time.monotonic()
-    try:
+    try:  # every poll looks the key up: revoked, the stream ends with that error
         job, steps = await run_in_threadpool(_load, job_id, settings, key)
+        yield chunk(Delta(role="assistant", content=""), job)
+        seen["job"] = job.status
+        while True:
+            job, steps = await run_in_threadpool(_load, job_id, settings, key)
+            for st in steps:
+                name = f"step:{st['index']}"
+                if seen.get(name) != st["status"]:
+                    seen[name] = st["status"]
+                    last_sent = time.monotonic()
+                    yield chunk(Delta(content=""), job, step=st)
+            if job.status in JobStatus.TERMINAL:
+                break
+            if seen["job"] != job.status:
+                seen["job"] = job.status
+                last_sent = time.monotonic()
+                yield chunk(Delta(content=""), job)
+            if time.monotonic() >= deadline:
+                break
+            if time.monotonic() - last_sent > HEARTBEAT_S:
+                last_sent = time.monotonic()
+                yield ": keep-alive\n\n"
+            await asyncio.sleep(STREAM_POLL_S)
     except KeyRevoked as exc:
         yield _sse(error_body(401, str(exc), code="invalid_api_key"))
         yield _sse("[DONE]")
         return
-    yield chunk(Delta(role="assistant", content=""), job)
-    seen["job"] = job.status
-    while True:
-        try:
-            job, steps = await run_in_threadpool(_load, job_id, settings, key)
-        except KeyRevoked as exc:
-            yield _sse(error_body(401, str(exc), code="invalid_api_key"))
-            yield _sse("[DONE]")
-            return
-        for st in steps:
-            name = f"step:{st['index']}"
-            if seen.get(name) != st["status"]:
-                seen[name] = st["status"]
-                last_sent = time.monotonic()
-                yield chunk(Delta(content=""), job, step=st)
-        if job.status in JobStatus.TERMINAL:
-            break
-        if seen["job"] != job.status:
-            seen["job"] = job.status
-            last_sent = time.monotonic()
-            yield chunk(Delta(content=""), job)
-        if time.monotonic() >= deadline:
-            break
-        if time.monotonic() - last_sent > HEARTBEAT_S:
-            last_sent = time.monotonic()
-            yield ": keep-alive\n\n"
-        await asyncio.sleep(STREAM_POLL_S)
     if job.status == JobStatus.SUCCEEDED:
         yield chunk(Delta(content=job.answer or ""), job)
         reason = await run_in_threadpool(_answer_finish_reason, job_id, settings.database_url)
