@@ -13,7 +13,8 @@ waits out the visibility timeout, a send that failed after the commit). Each pas
   finalized;
 - batches whose jobs have all ended but whose output was never written (ended here, so a batch no one
   reads still gets its output file), batches past their completion window (expired), and cancellations
-  interrupted midway.
+  interrupted midway;
+- trace-viewer sessions past their expiry (up to 1,000 a pass), whose keys may never sign in again.
 A step re-claimed after its worker died, or a planning re-driven, more than ``step_max_attempts``
 times fails instead of running again.
 Every re-send is safe to duplicate: plan, claim and finalize are conditional updates.
@@ -39,6 +40,7 @@ from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store import webhooks as webhook_store
 from conductor.store.db import session_scope
+from conductor.store.keys import delete_expired_sessions
 from conductor.store.models import JobStatus, StepStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,11 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         webhooks=len(webhooks),
         dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize) + len(dispatch.webhooks),
     )
+    try:
+        with session_scope() as s:
+            report["expired_viewer_sessions"] = delete_expired_sessions(s, now=now)
+    except Exception:  # housekeeping: never worth the pass's re-sends
+        log.exception("deleting expired viewer sessions failed; retrying at the next pass")
     try:
         report.update(reconcile_batches())
     except Exception:  # the dispatch gathered above must still be sent; the batches are retried next pass

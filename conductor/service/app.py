@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conductor.sealed import SECRETS_KEY_WARNING
-from conductor.service.deps import SessionDep
+from conductor.service.deps import SessionDep, bearer_key
 from conductor.service.openai_errors import install_openai_errors
 from conductor.service.openapi import published_schema
 from conductor.service.problems import install_error_handlers, problem_response, problems
@@ -29,7 +29,7 @@ def create_app() -> FastAPI:
         log.warning(PEPPER_WARNING)
     if startup.auth_required and not startup.secrets_key:
         log.warning(SECRETS_KEY_WARNING)
-    install_error_handlers(app)
+    install_error_handlers(app, key_check=lambda authorization: bearer_key(get_settings(), authorization))
     app.add_middleware(BodyLimit)
 
     @app.get("/healthz", responses=problems(503))

@@ -5,7 +5,7 @@ HTTP status codes for domain errors are chosen here and nowhere else."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -96,7 +96,10 @@ def validation_errors(raw: Sequence[Any]) -> list[dict[str, Any]]:
     return errors
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], object] | None = None) -> None:
+    """``key_check(authorization)`` raises a 401 ``Problem`` for a request without a key; a request to
+    ``/v1/`` whose body fails validation is judged by it first."""
+
     @app.exception_handler(QuotaExceeded)
     async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
         return problem_response(429, exc.title, exc.detail, headers={"Retry-After": exc.retry_after})
@@ -115,7 +118,14 @@ def install_error_handlers(app: FastAPI) -> None:
                                 [{"loc": ["header", "Idempotency-Key"], "msg": str(exc)}])
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if key_check is not None and request.url.path.startswith("/v1/"):  # every /v1/ route needs a key
+            # FastAPI parses a JSON body before any dependency runs, so a body that is not JSON would
+            # otherwise be described to a caller who sent no key at all: 401 first, as for every other body.
+            try:
+                key_check(request.headers.get("authorization"))
+            except Problem as missing:
+                return problem_response(missing.status, missing.title, missing.detail, headers=missing.headers)
         errors = validation_errors(exc.errors())
         return problem_response(422, "Invalid request", "; ".join(
             f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors), errors)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
 
@@ -103,6 +103,20 @@ def tenant_for_session(session: Session, *, token: str, pepper: str = "") -> str
         .where(col(UiSession.token_hash) == hash_key(token, pepper), col(UiSession.expires_at) > utcnow(),
                col(ApiKey.revoked_at).is_(None))).first()
     return str(found[0]) if found is not None else None
+
+
+EXPIRED_SESSIONS_PER_PASS = 1000
+"""Expired viewer sessions one reconciler pass deletes (the rest go at the next)."""
+
+
+def delete_expired_sessions(session: Session, *, now: datetime | None = None,
+                            limit: int = EXPIRED_SESSIONS_PER_PASS) -> int:
+    """Deletes up to ``limit`` viewer sessions past their expiry; returns how many. Signing in again drops
+    a key's own expired sessions; this drops those of keys that never sign in again."""
+    expired = (sa.select(col(UiSession.token_hash)).where(col(UiSession.expires_at) <= (now or utcnow()))
+               .limit(limit).scalar_subquery())
+    result = session.execute(sa.delete(UiSession).where(col(UiSession.token_hash).in_(expired)))
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def end_session(session: Session, *, token: str, pepper: str = "") -> None:

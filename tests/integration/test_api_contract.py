@@ -215,6 +215,20 @@ def test_a_body_built_to_fail_everywhere_gets_a_short_answer(client: httpx.Clien
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
 
 
+def test_a_body_that_is_not_json_is_401_without_a_key_and_422_with_one(client: httpx.Client, api: str) -> None:
+    """FastAPI parses JSON before any dependency runs; the key is still judged first."""
+    junk, json_type = b"{not json", {"Content-Type": "application/json"}
+    with httpx.Client(base_url=api, timeout=30) as anonymous:
+        r = anonymous.post("/v1/jobs", content=junk, headers=json_type)
+        assert r.status_code == 401 and r.json()["title"] == "Unauthorized", r.text
+        r = anonymous.post("/v1/chat/completions", content=junk, headers=json_type)
+        assert r.status_code == 401 and "error" in r.json(), r.text  # in OpenAI's error shape there
+    r = client.post("/v1/jobs", content=junk, headers=json_type)
+    assert r.status_code == 422 and r.json()["errors"][0]["loc"][0] == "body", r.text
+    r = client.post("/v1/chat/completions", content=junk, headers=json_type)
+    assert r.status_code in (400, 422) and "error" in r.json(), r.text
+
+
 def test_a_workflow_with_fields_it_does_not_use_is_refused(client: httpx.Client) -> None:
     steps = [{"agent": "a", "instruction": "x", "access_list": []}]
     for workflow in ({"steps": steps, "junk": "x" * 1000}, {**wf(["a"], [[]]), "notes": "kept?"}):

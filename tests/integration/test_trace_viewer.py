@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -16,8 +17,8 @@ from sqlmodel import select
 
 from conductor.store.db import session_scope
 from conductor.store.jobs import get_steps
-from conductor.store.keys import revoke_key
-from conductor.store.models import ApiKey, UiSession
+from conductor.store.keys import delete_expired_sessions, revoke_key
+from conductor.store.models import ApiKey, UiSession, utcnow
 from tests.integration.conftest import new_key
 from tests.integration.harness import LOGS, wait_terminal
 
@@ -155,6 +156,30 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
     with session_scope() as s:
         key_id = s.exec(select(ApiKey.id).where(ApiKey.prefix == key[:10])).one()
         assert s.exec(select(UiSession).where(UiSession.key_id == key_id)).all() == []
+
+
+def test_expired_viewer_sessions_are_deleted_and_live_ones_kept_on_postgres(api: str) -> None:
+    key = new_key("tenant-expiring")
+    with httpx.Client(base_url=api, timeout=30) as http:
+        http.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
+        live = http.cookies["conductor_session"]
+        http.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
+    with session_scope() as s:
+        key_id = s.exec(select(ApiKey.id).where(ApiKey.prefix == key[:10])).one()
+        rows = s.exec(select(UiSession).where(UiSession.key_id == key_id)).all()
+        assert len(rows) == 2
+        stale = max(rows, key=lambda row: row.created_at)  # the second sign-in's; `live` is the first's
+        stale.expires_at = utcnow() - timedelta(seconds=1)
+        s.add(stale)
+        stale_hash = stale.token_hash
+    with session_scope() as s:
+        assert delete_expired_sessions(s) >= 1
+    with session_scope() as s:
+        left = s.exec(select(UiSession.token_hash).where(UiSession.key_id == key_id)).all()
+    assert len(left) == 1 and left[0] != stale_hash
+    with httpx.Client(base_url=api, timeout=30, cookies={"conductor_session": live}) as browser:
+        page = browser.get("/ui/jobs", headers={"Accept": "text/html"})  # its own (empty) list: signed in
+        assert page.status_code == 200 and 'action="/ui/login"' not in page.text
 
 
 def test_a_recursive_step_shows_its_child_job_nested(client: httpx.Client, api: str) -> None:

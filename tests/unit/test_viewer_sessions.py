@@ -1,0 +1,76 @@
+"""Trace-viewer sessions past their expiry are deleted by the reconciler, so keys that never sign in again
+leave no rows behind (signing in again drops a key's own expired ones). On a migrated SQLite file; the
+same delete runs on Postgres in tests/integration/test_trace_viewer.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlmodel import col, select
+
+from conductor.migrations.migrate import upgrade
+from conductor.reconcile import reconcile_once
+from conductor.settings import Settings, get_settings
+from conductor.store.db import clear_engines, get_engine, session_scope
+from conductor.store.keys import create_key, create_session, delete_expired_sessions, tenant_for_session
+from conductor.store.models import UiSession, utcnow
+
+
+@pytest.fixture
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    url = f"sqlite:///{tmp_path / 'sessions.sqlite3'}"
+    monkeypatch.setenv("CONDUCTOR_DATABASE_URL", url)
+    monkeypatch.setenv("CONDUCTOR_BROKER_URL", "memory://")
+    get_settings.cache_clear()
+    upgrade(url)
+    yield get_settings()
+    get_engine(url).dispose()
+    clear_engines()
+    get_settings.cache_clear()
+
+
+def sessions_of(tenant: str, count: int) -> list[str]:
+    with session_scope() as s:
+        _, key = create_key(s, tenant=tenant)
+        made = [create_session(s, key=key, ttl_s=3600) for _ in range(count)]
+    return [m[1] for m in made if m is not None]
+
+
+def expire(tokens_hashes: list[str]) -> None:
+    with session_scope() as s:
+        s.execute(sa.update(UiSession).where(col(UiSession.token_hash).in_(tokens_hashes))
+                  .values(expires_at=utcnow() - timedelta(seconds=1)))
+
+
+def stored() -> dict[str, str]:
+    with session_scope() as s:
+        return {row.token_hash: row.tenant for row in s.exec(select(UiSession)).all()}
+
+
+def test_a_reconciler_pass_deletes_expired_sessions_and_keeps_live_ones(settings: Settings) -> None:
+    live = sessions_of("tenant-a", 2)
+    sessions_of("tenant-b", 3)
+    b_rows = [h for h, tenant in stored().items() if tenant == "tenant-b"]
+    expire(b_rows)
+    report, _ = reconcile_once(settings)
+    assert report["expired_viewer_sessions"] == 3
+    assert sorted(stored().values()) == ["tenant-a", "tenant-a"]
+    with session_scope() as s:
+        assert [tenant_for_session(s, token=t) for t in live] == ["tenant-a", "tenant-a"]
+    report, _ = reconcile_once(settings)  # nothing left to delete
+    assert report["expired_viewer_sessions"] == 0
+
+
+def test_one_pass_deletes_at_most_its_limit(settings: Settings) -> None:
+    sessions_of("tenant-c", 5)
+    expire(list(stored()))
+    with session_scope() as s:
+        assert delete_expired_sessions(s, limit=2) == 2
+    assert len(stored()) == 3
+    with session_scope() as s:
+        assert delete_expired_sessions(s, limit=10) == 3
+    assert stored() == {}
