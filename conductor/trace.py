@@ -35,9 +35,12 @@ def render_trace(session: Session, job: Job, *, indent: str = "", full: bool = F
             f"{st.input_tokens} in / {st.output_tokens} out  ${st.cost_usd:.6f}  attempts={len(tries)}"
         )
         lines.append(f"{indent}    sees: {st.access_list or 'nothing'}   instruction: {_clip(st.instruction, full)}")
+        if st.celery_task_id:  # operator-only: the API and the viewer never show hosts or task ids
+            lines.append(f"{indent}    celery task: {st.celery_task_id}")
         for a in tries:
-            if a.error_type:
-                lines.append(f"{indent}    attempt {a.n}: {a.error_type}: {_clip(a.error or '', full)}")
+            took = f"{a.latency_ms} ms" if a.latency_ms is not None else "unfinished"
+            lines.append(f"{indent}    attempt {a.n} on {a.worker or '-'}: {took}"
+                         + (f"  {a.error_type}: {_clip(a.error or '', full)}" if a.error_type else ""))
         if st.error:
             lines.append(f"{indent}    error: {st.error}")
         if st.output is not None:

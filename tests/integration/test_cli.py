@@ -38,6 +38,7 @@ def test_keys_submit_wait_status_trace(proc_env: dict[str, str], api: str, clien
     trace = cli("trace", job_id, env=env)
     assert trace.returncode == 0, trace.stderr
     assert "1 <- 0   b" in trace.stdout and "[0] a (sim:" in trace.stdout and "critical path: 0 -> 1" in trace.stdout
+    assert trace.stdout.count("attempt 1 on ") == 2 and "attempt 1 on -" not in trace.stdout  # the operator's view
     steps = json.loads(cli("trace", job_id, "--json", env=env).stdout)
     assert [s["output"] for s in steps] == ["[a] draft", "[b] polish"]
 

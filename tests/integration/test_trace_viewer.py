@@ -16,7 +16,7 @@ from playwright.sync_api import BrowserContext, Page, sync_playwright
 from sqlmodel import select
 
 from conductor.store.db import session_scope
-from conductor.store.jobs import get_steps
+from conductor.store.jobs import get_attempts, get_steps
 from conductor.store.keys import delete_expired_sessions, revoke_key
 from conductor.store.models import ApiKey, UiSession, utcnow
 from tests.integration.conftest import new_key
@@ -114,6 +114,10 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
         bearer = http.get(f"/ui/jobs/{diamond}", headers={"Authorization": f"Bearer {key}"})
         assert bearer.status_code == 200 and "default-src 'none'" in bearer.headers["content-security-policy"]
         assert "<script" not in bearer.text and "&lt;script&gt;" in bearer.text
+        with session_scope() as s:  # which host ran an attempt is the operator's, not the tenant's
+            steps = get_steps(s, job_id=diamond)
+            workers = {a.worker for a in get_attempts(s, step_ids=[st.id for st in steps if st.id is not None])}
+        assert workers and None not in workers and not any(w in bearer.text for w in workers if w), workers
         other = http.get(f"/ui/jobs/{diamond}", headers={"Authorization": f"Bearer {new_key('tenant-z')}"})
         assert other.status_code == 404  # another tenant's job does not exist for them
 
