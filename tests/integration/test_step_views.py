@@ -20,6 +20,10 @@ def test_steps_are_paged(client: httpx.Client) -> None:
     lean = client.get(f"/v1/jobs/{job['id']}/steps", params={"messages": "false"}).json()["data"]
     assert all(s["messages"] is None for s in lean) and lean[3]["output"]
     assert client.get(f"/v1/jobs/{job['id']}/steps").json()["data"][3]["messages"]  # included by default
+    lean_page = client.get(f"/v1/jobs/{job['id']}/steps", params={"limit": 2, "messages": "false", "depth": 0}).json()
+    lean_rest = client.get(lean_page["next"]).json()  # the next page is asked for the same way
+    assert "messages=false" in lean_page["next"] and "depth=0" in lean_page["next"]
+    assert [s["index"] for s in lean_rest["data"]] == [2, 3] and all(s["messages"] is None for s in lean_rest["data"])
     for bad in ({"limit": 0}, {"limit": 51}, {"offset": -1}, {"depth": 7}):
         r = client.get(f"/v1/jobs/{job['id']}/steps", params=bad)
         assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json"), bad

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Annotated
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -199,9 +200,12 @@ def get_steps(
     leaves out what each worker was sent."""
     job = job_or_404(session, job_id, tenant)
     data = steps_tree(session, job.id, offset=offset, limit=limit, max_depth=depth, messages=messages)
-    total = len(store.get_steps(session, job_id=job.id))
+    total = len(store.get_steps(session, job_id=job.id, light=True))
     after = offset + len(data)
-    following = f"/v1/jobs/{job.id}/steps?offset={after}&limit={limit}" if after < total else None
+    # The next page is asked for the way this one was (depth, messages), not with the defaults.
+    query = urlencode({"offset": after, "limit": limit, **({"depth": depth} if depth != MAX_TREE_DEPTH else {}),
+                       **({} if messages else {"messages": "false"})})
+    following = f"/v1/jobs/{job.id}/steps?{query}" if after < total else None
     return StepList(data=data, count=len(data), total=total, next=following)
 
 
