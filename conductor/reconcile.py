@@ -58,8 +58,13 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
     report: dict[str, Any] = {}
     with session_scope() as s:
         orphans = store.orphaned_children(s)
+    orphans_failed = 0
     for orphan in orphans:
-        cancel_job(orphan)
+        try:
+            cancel_job(orphan)
+        except Exception:  # one orphan's fault must not cost the whole pass (every re-send below)
+            orphans_failed += 1
+            log.exception("cancelling orphaned child job %s failed; retrying at the next pass", orphan)
     with session_scope() as s:
         # Touched (so passes rotate through them) and committed at once: each touch locks a job row that
         # its steps' outcomes need, so none is held while the rest of the pass reads and writes.
@@ -107,7 +112,8 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         never_enqueued=len(never),
         lost_plan=len(lost),
         stuck_planning=len(stuck),
-        orphans_cancelled=len(orphans),
+        orphans_cancelled=len(orphans) - orphans_failed,
+        orphans_failed_to_cancel=orphans_failed,
         running_jobs=len(running),
         resent_steps=len(resend),
         jobs_failed_to_reconcile=failed,

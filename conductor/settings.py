@@ -42,8 +42,9 @@ class Settings(BaseSettings):
     result_backend: str = DEFAULT_RESULT_BACKEND
     pool_file: Path = DEFAULT_POOL_FILE
     pools_dir: Path | None = None
-    """Where named pools (``"pool": "NAME"`` -> ``NAME.yaml``) are looked up first; then beside the
-    default pool file, then the shipped pools."""
+    """Where named pools (``"pool": "NAME"`` -> ``NAME.yaml``) published to API clients are looked up;
+    the operator's CLI (``conductor run``, ``eval``) also looks beside the default pool file, then in the
+    shipped pools."""
     data_dir: Path = Field(default_factory=_default_data_dir)
     models_dir: Path = Field(default_factory=_default_models_dir)
     """Where local models that ship as PyPI chunk packages are assembled (once, then reused)."""

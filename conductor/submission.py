@@ -35,13 +35,19 @@ MAX_JSON_DEPTH = 32
 walks it recursively (serializing a few hundred levels fails inside pydantic)."""
 
 
+MAX_LIMIT_COST_USD = 1_000_000.0
+MAX_LIMIT_TOKENS = 1_000_000_000
+"""The largest budgets a job may ask for: finite, and within what the store's counters hold (a recursive
+step reserves its child's whole allowance in a 32-bit column)."""
+
+
 class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_steps: int | None = Field(default=None, ge=1, le=50)
     max_depth: int | None = Field(default=None, ge=0, le=5)
-    max_cost_usd: float | None = Field(default=None, gt=0)
-    max_tokens: int | None = Field(default=None, gt=0)
+    max_cost_usd: float | None = Field(default=None, gt=0, le=MAX_LIMIT_COST_USD, allow_inf_nan=False)
+    max_tokens: int | None = Field(default=None, gt=0, le=MAX_LIMIT_TOKENS)
     deadline_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
 
 

@@ -46,3 +46,16 @@ def test_a_child_inherits_only_what_is_left() -> None:
     assert out == {"max_tokens": 750, "max_cost_usd": pytest.approx(0.6), "deadline_s": 15.0, "max_steps": 3}
     with pytest.raises(BudgetExceeded):
         child_limits(limits, T0, Spent(1000, 0), T0)
+
+
+def test_a_jobs_budgets_are_finite_and_fit_the_stores_counters() -> None:
+    from pydantic import ValidationError
+
+    from conductor.submission import MAX_LIMIT_COST_USD, MAX_LIMIT_TOKENS, Limits
+
+    at_most = Limits.model_validate({"max_cost_usd": MAX_LIMIT_COST_USD, "max_tokens": MAX_LIMIT_TOKENS})
+    assert at_most.max_tokens is not None and at_most.max_tokens < 2**31  # a child's reservation fits int32
+    for bad in ({"max_cost_usd": "inf"}, {"max_cost_usd": float("inf")}, {"max_cost_usd": MAX_LIMIT_COST_USD * 2},
+                {"max_tokens": 3_000_000_000}, {"max_tokens": 0}):
+        with pytest.raises(ValidationError):
+            Limits.model_validate(bad)

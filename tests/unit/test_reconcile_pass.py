@@ -1,6 +1,7 @@
-"""Trace-viewer sessions past their expiry are deleted by the reconciler, so keys that never sign in again
-leave no rows behind (signing in again drops a key's own expired ones). On a migrated SQLite file; the
-same delete runs on Postgres in tests/integration/test_trace_viewer.py."""
+"""A reconciler pass on a migrated SQLite file: trace-viewer sessions past their expiry are deleted, so
+keys that never sign in again leave no rows behind (signing in again drops a key's own expired ones; the
+same delete runs on Postgres in tests/integration/test_trace_viewer.py), and one job's fault does not cost
+the pass its other work."""
 
 from __future__ import annotations
 
@@ -74,3 +75,23 @@ def test_one_pass_deletes_at_most_its_limit(settings: Settings) -> None:
     with session_scope() as s:
         assert delete_expired_sessions(s, limit=10) == 3
     assert stored() == {}
+
+
+def test_an_orphan_that_cannot_be_cancelled_does_not_stop_the_pass(settings: Settings,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from conductor import reconcile
+    from conductor.store import jobs as store
+
+    sessions_of("tenant-d", 1)
+    expire(list(stored()))
+    monkeypatch.setattr(store, "orphaned_children", lambda _s: ["orphan-1", "orphan-2"])
+
+    def cancel(job_id: str) -> bool:  # fault injection: the first orphan's cancel raises (a bug, a bad row)
+        if job_id == "orphan-1":
+            raise RuntimeError("injected")
+        return True
+
+    monkeypatch.setattr(reconcile, "cancel_job", cancel)
+    report, _ = reconcile_once(settings)
+    assert report["orphans_failed_to_cancel"] == 1 and report["orphans_cancelled"] == 1
+    assert report["expired_viewer_sessions"] == 1  # the rest of the pass ran
