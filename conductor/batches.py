@@ -191,8 +191,10 @@ def create_batch(
             job_ids.append(job.id)
         except LineError as exc:
             request.error_code, request.error = exc.code, f"line {item.line}: {exc}"
-        except SubmissionError as exc:
-            request.error_code, request.error = "invalid_request", f"line {item.line}: {exc}"
+        except SubmissionError as exc:  # a chat line's unknown conductor/<planner>: as the live route says it
+            unknown_model = exc.title == "Unknown planner" and endpoint == CHAT_ENDPOINT
+            code = "model_not_found" if unknown_model else "invalid_request"
+            request.error_code, request.error = code, f"line {item.line}: {exc}"
         except DataError:
             request.error_code, request.error = "invalid_body", f"line {item.line}: a value cannot be stored"
         if request.error is not None and len(request.error) > MAX_LINE_ERROR_CHARS:

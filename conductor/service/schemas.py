@@ -59,7 +59,7 @@ class WorkflowStep(BaseModel):
 
 class WorkflowPublic(BaseModel):
     steps: list[WorkflowStep]
-    source: str = Field(description="planner | request | fallback | template | replay")
+    source: str = Field(description="planner | request | fallback | replay")
     format_valid: bool | None
     planner_error: str | None
     planner_attempts: int

@@ -114,6 +114,17 @@ def test_a_batch_of_50_chat_completions(oai: openai.OpenAI, tmp_path: Path) -> N
     assert uploaded.id not in [f.id for f in oai.files.list(purpose="batch_output")]
 
 
+def test_a_chat_line_naming_an_unknown_planner_is_model_not_found(oai: openai.OpenAI) -> None:
+    """As the live route answers 404 model_not_found for it, not invalid_request."""
+    unknown = chat_line("unknown", "q")
+    unknown["body"]["model"] = "conductor/no-such-planner"
+    uploaded = oai.files.create(file=("chat.jsonl", jsonl([chat_line("fine", "q"), unknown])), purpose="batch")
+    batch = wait_batch(oai, oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                               completion_window="24h").id)
+    [error] = lines_of(oai, batch.error_file_id)
+    assert error["custom_id"] == "unknown" and error["error"]["code"] == "model_not_found", error
+
+
 def test_bad_lines_fail_alone_and_land_in_the_error_file(oai: openai.OpenAI) -> None:
     good = {"task": "fine", "workflow": {"model_ids": ["b"], "subtasks": ["do it"], "access_lists": [[]]},
             "metadata": {"k": "v"}}
