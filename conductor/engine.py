@@ -44,7 +44,7 @@ from conductor.errors import (
 )
 from conductor.lease import heartbeat
 from conductor.planning.base import PlanResult
-from conductor.planning.planner import make_plan
+from conductor.planning.planner import longest_planning_s, make_plan
 from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.config import AgentConfig, PoolConfig
 from conductor.pool.errors import ProviderError
@@ -150,7 +150,8 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
                         message=f"planning was started {claim - 1} times and its worker never finished it")
     try:
         check_deadline(job.limits, job.created_at, utcnow())
-        with heartbeat(settings.step_lease_s).planning(job_id, claim):  # a slow planner is alive, not lost
+        # A slow planner is alive, not lost -- up to its longest possible run; past that it is stuck.
+        with heartbeat(settings.step_lease_s).planning(job_id, claim, for_s=longest_planning_s(settings)):
             result = replay_plan(make_plan(job, settings=settings), job)
     except DeadlineExceeded as exc:
         return fail_job(job_id, error_type=ErrorType.DEADLINE_EXCEEDED, message=str(exc), plan_claim=claim)

@@ -9,7 +9,9 @@ that had to cover the slowest call. Under gevent the thread is a greenlet, as co
 
 The same heartbeat keeps a planning alive: while a planner call runs (it may take longer than any
 lease), the job's ``updated_at`` is renewed under its planning claim, so the reconciler re-drives a
-planning only when its worker stopped beating (``planning_stale_s``), never a slow planner that runs.
+planning only when its worker stopped beating (``planning_stale_s``), never a slow planner that runs --
+up to the longest a planning can take (every planner call at its full timeout and retries); a planner
+past that is stuck, stops being renewed and is re-driven like a dead one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Heartbeat:
         self._held: dict[int, str] = {}
         self._until: dict[int, float] = {}
         self._planning: dict[str, int] = {}
+        self._planning_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -61,10 +64,14 @@ class Heartbeat:
                     self._until.pop(step_id, None)
 
     @contextmanager
-    def planning(self, job_id: str, claim: int) -> Iterator[None]:
-        """Keeps ``job_id``'s planning (claim number ``claim``) alive until the block ends."""
+    def planning(self, job_id: str, claim: int, *, for_s: float | None = None) -> Iterator[None]:
+        """Keeps ``job_id``'s planning (claim number ``claim``) alive until the block ends, or for at most
+        ``for_s`` seconds: a planner still running after that is stuck, so the job is left to look silent
+        and the reconciler re-drives its planning (this claim's late plan is fenced off)."""
         with self._lock:
             self._planning[job_id] = claim
+            if for_s is not None:
+                self._planning_until[job_id] = time.monotonic() + for_s
             self._start()
         try:
             yield
@@ -72,6 +79,7 @@ class Heartbeat:
             with self._lock:
                 if self._planning.get(job_id) == claim:
                     del self._planning[job_id]
+                    self._planning_until.pop(job_id, None)
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -90,11 +98,21 @@ class Heartbeat:
                 del self._until[step_id]
             return list(self._held.items())
 
+    def plannings(self) -> list[tuple[str, int]]:
+        """The plannings to keep alive: every one not past its ``for_s``."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [job_id for job_id, until in self._planning_until.items() if until < now]
+            for job_id in overdue:
+                log.warning("planning job %s ran past its longest possible duration; it is left to be re-driven",
+                            job_id)
+                self._planning.pop(job_id, None)
+                del self._planning_until[job_id]
+            return list(self._planning.items())
+
     def beat(self) -> int:
         """One renewal of every held lease and planning; returns how many were still held in the store."""
-        held = self.held()
-        with self._lock:
-            planning = list(self._planning.items())
+        held, planning = self.held(), self.plannings()
         if not held and not planning:
             return 0
 

@@ -27,6 +27,14 @@ def effective_limits(max_steps: int | None, max_depth: int | None, settings: Set
     return steps, depth
 
 
+def longest_planning_s(settings: Settings) -> float:
+    """The longest a planning may run while its worker lives: each planner call (a first one and a
+    re-ask) as long as a step's longest run (every retry at its full timeout and waits)."""
+    from conductor.planning.conductor_planner import MAX_PLANNER_ATTEMPTS
+
+    return MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s()
+
+
 def make_plan(job: Job, *, settings: Settings) -> PlanResult:
     pool = PoolConfig.model_validate(job.pool_config)
     max_steps, max_depth = job_limits(job, settings)

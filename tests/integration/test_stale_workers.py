@@ -128,6 +128,31 @@ def test_a_stuck_step_stops_being_renewed_after_its_longest_duration() -> None:
     assert [a.error_type for a in attempts] == ["worker_lost", None]
 
 
+def test_a_stuck_planning_stops_being_renewed_after_its_longest_duration() -> None:
+    """A planner call that ignores its timeout must not hold its job in ``planning`` for ever: past its
+    longest possible run the heartbeat leaves it, and it looks silent to the reconciler."""
+    job_id = new_job("a")
+    claimed = transaction(lambda s: store.claim_planning_job(s, job_id=job_id))
+    assert claimed is not None
+    claim = claimed[0]
+    beat = Heartbeat(lease_s=0.3)
+    with beat.planning(job_id, claim, for_s=1.0):  # the planner never returns within its bound
+        assert beat.beat() == 1  # renewed while within it
+        deadline = time.monotonic() + 30
+        while (job_id, claim) in beat.plannings():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert beat.beat() == 0  # no longer renewed
+        time.sleep(0.5)  # beyond the heartbeat thread's last beat (every 0.1 s)
+        silent_since = utcnow()
+        time.sleep(0.3)
+        with session_scope() as s:  # what the reconciler looks for: it re-drives this planning
+            assert job_id in store.jobs_stuck_planning(s, older_than=silent_since)
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None and job.status == JobStatus.PLANNING and job.plan_claims == claim
+
+
 def test_no_celery_time_limits_one_bound_in_the_engine() -> None:
     settings = get_settings()
     config = celery_config(settings)
