@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, Protocol
 
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -652,18 +653,22 @@ def _record_success(
     ``take``, or finalizes the job."""
     parent: list[str] = []
     ended: list[str] = []
+    carry: list[tuple[str, dict[str, Any]]] = []
     taker = [take]
 
     def record(s: Session) -> Dispatch | None:
         parent.clear()
         ended.clear()
+        carry.clear()
         closing = store.AttemptEnd(attempt_id, completion.latency_ms)
         head, recorded, steps = store.lock_job_and_record(s, job_id=job_id, step_id=step_id, owner=owner,
                                                           to=StepStatus.SUCCEEDED, closing=closing, **columns)
         if not recorded:
             # Cancelled or taken over meanwhile: the answer is dropped, its cost is not.
-            store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, input_tokens=completion.input_tokens,
-                                       output_tokens=completion.output_tokens, cost_usd=columns["cost_usd"])
+            usage = {"input_tokens": completion.input_tokens, "output_tokens": completion.output_tokens,
+                     "cost_usd": columns["cost_usd"]}
+            if store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, **usage):
+                carry.append((job_id, usage))  # the job had ended: a parent it has needs it too
             return Dispatch()
         if head is None or head.status != JobStatus.RUNNING:
             return Dispatch()
@@ -672,7 +677,7 @@ def _record_success(
         if all(st.status == StepStatus.SUCCEEDED for st in steps):
             answer = columns["output"] if index == steps[-1].index else store.step_output(
                 s, job_id=job_id, index=steps[-1].index)
-            if _finalize(s, head, steps, answer):
+            if _finalize(s, head, steps, answer, carry):
                 ended.append(job_id)
                 parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
             return Dispatch(webhooks=_webhooks_owed(s, job_id, head) if ended else [])
@@ -685,6 +690,7 @@ def _record_success(
                     "without it", job_id, index, type(exc.__cause__).__name__)
         taker[0] = None
         outcome = transaction(record)
+    _carry_up(carry)
     if outcome is None:
         return advance(job_id)
     for done in ended:
@@ -759,16 +765,19 @@ def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str],
     return (claims[0], claims[1:]) if claims else (None, [])
 
 
-def _finalize(s: Session, head: store.JobHead, steps: list[store.StepHead], answer: str | None) -> bool:
+def _finalize(s: Session, head: store.JobHead, steps: list[store.StepHead], answer: str | None,
+              carry: list[tuple[str, dict[str, Any]]]) -> bool:
     """running -> succeeded with the last step's output as the answer and the totals; a child job also
-    settles its parent's recursive step (the caller then advances the parent)."""
+    settles its parent's recursive step (the caller then advances the parent; if the parent had already
+    closed the step, the caller carries the totals up after commit: ``carry``)."""
     totals = _totals(head, steps)
     finished = utcnow()
     if not store.transition_job(s, job_id=head.id, from_=[JobStatus.RUNNING], to=JobStatus.SUCCEEDED,
                                 answer=answer, finished_at=finished, **totals):
         return False
-    if head.parent_job_id is not None:
-        _settle_parent_step(s, head, succeeded=True, answer=answer, totals=totals, finished_at=finished)
+    if head.parent_job_id is not None and not _settle_parent_step(
+            s, head, succeeded=True, answer=answer, totals=totals, finished_at=finished):
+        carry.append((head.id, totals))
     return True
 
 
@@ -780,10 +789,12 @@ def advance(job_id: str) -> Dispatch:
     steps that became ready. Locks the job row like the outcome transaction."""
     parent: list[str] = []
     ended: list[str] = []
+    carry: list[tuple[str, dict[str, Any]]] = []
 
     def decide(s: Session) -> Dispatch | tuple[ErrorType, str, int]:
         parent.clear()
         ended.clear()
+        carry.clear()
         head = store.lock_job(s, job_id=job_id)
         if head is None or head.status != JobStatus.RUNNING:
             return Dispatch()
@@ -794,13 +805,14 @@ def advance(job_id: str) -> Dispatch:
             return ErrorType(first.error_type or ErrorType.STEP_FAILED), first.error or "", first.index
         if steps and all(st.status == StepStatus.SUCCEEDED for st in steps):
             answer = store.step_output(s, job_id=job_id, index=steps[-1].index)
-            if _finalize(s, head, steps, answer):
+            if _finalize(s, head, steps, answer, carry):
                 ended.append(job_id)
                 parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
             return Dispatch(webhooks=_webhooks_owed(s, job_id, head) if ended else [])
         return _dispatch_ready(s, job_id, steps)
 
     outcome = transaction(decide)
+    _carry_up(carry)
     if isinstance(outcome, tuple):
         error_type, message, index = outcome
         return fail_job(job_id, error_type=error_type, message=f"step {index} failed: {message}", step=index)
@@ -831,7 +843,7 @@ def fail_job(
         job = store.get_job(s, job_id=job_id) if store.lock_job(s, job_id=job_id) is not None else None
         if job is None:
             return Dispatch()
-        totals = _totals(job, store.get_steps(s, job_id=job_id))
+        totals = _totals(job, store.get_steps(s, job_id=job_id, light=True))
         if not store.transition_job(
             s,
             job_id=job_id,
@@ -852,8 +864,10 @@ def fail_job(
         store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED)
         children = [c.id for c in store.get_children(s, job_id=job_id) if c.status not in JobStatus.TERMINAL]
         parent_id = job.parent_job_id
-        if parent_id is not None:
-            _settle_parent_step(s, job, succeeded=False, answer=None, totals=totals, error=message)
+        settled = parent_id is None or _settle_parent_step(s, job, succeeded=False, answer=None, totals=totals,
+                                                           error=message)
+    if not settled:
+        _carry_up([(job_id, totals)])
     for child in children:
         cancel_job(child)  # a failed parent's running sub-workflows are stopped, not left to spend
     telemetry.job_ended(job_id)
@@ -915,11 +929,13 @@ def _settle_parent_step(
     totals: dict[str, Any],
     error: str | None = None,
     finished_at: datetime | None = None,
-) -> None:
+) -> bool:
+    """Records a child job's end on its parent's recursive step; False when the step no longer takes it
+    (the parent ended first and closed it): the caller then carries the child's usage up (``_carry_up``)."""
     assert child.parent_job_id is not None and child.parent_step_index is not None
     step = store.get_step(s, job_id=child.parent_job_id, index=child.parent_step_index)
     if step is None or step.id is None:
-        return
+        return True  # nothing to settle
     latency = int(((finished_at or utcnow()) - child.created_at).total_seconds() * 1000)
     values: dict[str, Any] = {
         "input_tokens": totals["input_tokens"],
@@ -929,10 +945,26 @@ def _settle_parent_step(
     }
     if succeeded:
         values.update(output=answer, finish_reason=store.CHILD_SUCCEEDED)
-        store.finish_step(s, step_id=step.id, from_=[StepStatus.RUNNING], to=StepStatus.SUCCEEDED, **values)
-    else:
-        values.update(error_type=ErrorType.CHILD_JOB_FAILED, error=f"child job {child.id} failed: {error}")
-        store.finish_step(s, step_id=step.id, from_=[StepStatus.RUNNING], to=StepStatus.FAILED, **values)
+        return store.finish_step(s, step_id=step.id, from_=[StepStatus.RUNNING], to=StepStatus.SUCCEEDED, **values)
+    values.update(error_type=ErrorType.CHILD_JOB_FAILED, error=f"child job {child.id} failed: {error}")
+    return store.finish_step(s, step_id=step.id, from_=[StepStatus.RUNNING], to=StepStatus.FAILED, **values)
+
+
+def _carry_up(carry: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    """After commit: usage a child job gained that its parent's recursive step did not take (the parent
+    ended first, or the usage came after the child ended) is added to that step and, level by level, to
+    every ancestor that has ended too -- one short transaction per level, each under one job row's lock
+    (a transaction holding a child's and then its parent's lock could deadlock with a plan, which locks
+    the root and then the child). Best effort: a failure leaves the totals short, never the job stuck."""
+    for job_id, usage in carry:
+        current: str | None = job_id
+        try:
+            while current is not None:
+                child = current
+                current = transaction(partial(store.add_usage_to_parent, job_id=child, usage=usage))
+        except Exception:
+            log.exception("carrying job %s's late usage to its ancestors failed; their totals are short by it",
+                          job_id)
 
 
 def _totals(job: _JobUsage, steps: Sequence[_StepUsage]) -> dict[str, Any]:
@@ -958,6 +990,7 @@ def cancel_job(job_id: str) -> bool:
         before = store.get_job(s, job_id=job_id) if store.lock_job(s, job_id=job_id) is not None else None
         if before is None:
             return False
+        totals = _totals(before, store.get_steps(s, job_id=job_id, light=True))
         won = store.transition_job(
             s,
             job_id=job_id,
@@ -967,16 +1000,17 @@ def cancel_job(job_id: str) -> bool:
             finished_at=utcnow(),
             error_type=ErrorType.CANCELLED,
             error_message="the job was cancelled",
-            **_totals(before, store.get_steps(s, job_id=job_id)),
+            **totals,
         )
         if won:
             store.close_open_steps(s, job_id=job_id, to=StepStatus.CANCELLED)
             _webhooks_owed(s, job_id)  # sent by the caller (send_webhooks_of) or the reconciler
         children = [c.id for c in store.get_children(s, job_id=job_id)]
         parent_id = before.parent_job_id if won else None
-        if parent_id is not None:
-            totals = _totals(before, store.get_steps(s, job_id=job_id))
-            _settle_parent_step(s, before, succeeded=False, answer=None, totals=totals, error="it was cancelled")
+        settled = parent_id is None or _settle_parent_step(s, before, succeeded=False, answer=None, totals=totals,
+                                                           error="it was cancelled")
+    if not settled:
+        _carry_up([(job_id, totals)])
     for child in children:
         cancel_job(child)
     if won:

@@ -362,6 +362,54 @@ def a_claim_re_run_after_its_commit_landed_returns_its_attempt_and_counts_none()
     assert [(a.n, a.finished_at is None) for a in attempts] == [(1, False), (2, False), (3, True)]
 
 
+def usage_of(job_id: str) -> tuple[int, int, float]:
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None
+        return job.input_tokens, job.output_tokens, job.cost_usd
+
+
+def a_child_ending_after_its_parent_carries_its_usage_up() -> None:
+    """A parent that ends (cancelled, or failed by another step) while its child job runs closes the
+    recursive step first; the child's spend, and usage it gains after it ended, still reach the step and
+    the parent's totals."""
+    settings = get_settings()
+    with session_scope() as s:  # one recursive step; the child plans a 3-step pev of its own
+        parent, _ = create_job(s, JobCreate.model_validate({"task": "carry", "planner": "template:pev", "workflow": {
+            "model_ids": ["conductor"], "subtasks": ["delegate"], "access_lists": [[]]}}), tenant="trips",
+            settings=settings)
+        parent_id = parent.id
+    plan_job(parent_id, settings=settings)
+    started = run_step(parent_id, 0, worker="trips", task_id=None, settings=settings)
+    [child_id] = started.plan
+    child_steps = plan_job(child_id, settings=settings).steps
+    run_step(child_id, child_steps[0][1], worker="trips", task_id=None, settings=settings)  # the child spends
+    with session_scope() as s:  # a running job's totals are summed from its steps when it ends
+        done = [st for st in store.get_steps(s, job_id=child_id) if st.status == StepStatus.SUCCEEDED]
+    spent = (sum(st.input_tokens for st in done), sum(st.output_tokens for st in done), sum(st.cost_usd for st in done))
+    assert len(done) == 1 and spent[0] > 0 and spent[2] > 0
+
+    assert engine.cancel_job(parent_id)  # closes the recursive step, then cancels the child
+    with session_scope() as s:
+        child = store.get_job(s, job_id=child_id)
+        step = store.get_step(s, job_id=parent_id, index=0)
+    assert child is not None and child.status == JobStatus.CANCELLED and usage_of(child_id) == spent
+    assert step is not None and step.status == StepStatus.CANCELLED
+    assert (step.input_tokens, step.output_tokens, step.cost_usd) == spent  # the step took the child's spend
+    assert usage_of(parent_id) == spent  # and so did the parent's totals
+
+    late = {"input_tokens": 7, "output_tokens": 3, "cost_usd": 0.5}  # a call of the child that ends late
+    with session_scope() as s:
+        child_step = store.get_step(s, job_id=child_id, index=1)
+        assert child_step is not None and child_step.id is not None
+        assert store.add_unrecorded_usage(s, step_id=child_step.id, job_id=child_id, **late)  # the child ended
+    engine._carry_up([(child_id, late)])
+    total = (spent[0] + 7, spent[1] + 3, spent[2] + 0.5)
+    assert usage_of(child_id) == total and usage_of(parent_id) == total
+    with session_scope() as s:  # the top of the tree: nothing further up
+        assert store.add_usage_to_parent(s, job_id=parent_id, usage=late) is None
+
+
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
@@ -374,4 +422,5 @@ CASES = (
     roots_claimed_with_the_plan_are_what_their_own_claims_would_write,
     a_step_reclaimed_after_its_worker_died_does_not_count_its_own_reservation,
     a_claim_re_run_after_its_commit_landed_returns_its_attempt_and_counts_none,
+    a_child_ending_after_its_parent_carries_its_usage_up,
 )

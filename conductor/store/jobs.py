@@ -486,21 +486,51 @@ def finish_step(
 
 def add_unrecorded_usage(
     session: Session, *, step_id: int, job_id: str, input_tokens: int, output_tokens: int, cost_usd: float
-) -> None:
+) -> bool:
     """A call whose answer was dropped (the job was cancelled or failed meanwhile, or another worker took
     the step over) was still paid for: its usage is added to the step, and to the job's totals when the
-    job has already ended (a running job's totals are summed from its steps when it ends)."""
+    job has already ended (a running job's totals are summed from its steps when it ends). True when
+    the job had ended: a child job's parent then needs it too (``add_usage_to_parent``)."""
     usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "cost_usd": cost_usd}
     session.execute(
         sa.update(Step)
         .where(col(Step.id) == step_id)
         .values({getattr(Step, k): getattr(Step, k) + v for k, v in usage.items()})
     )
-    session.execute(
+    ended = session.execute(
         sa.update(Job)
         .where(col(Job.id) == job_id, col(Job.status).in_(list(JobStatus.TERMINAL)))
         .values({getattr(Job, k): getattr(Job, k) + v for k, v in usage.items()})  # the call is an attempt: counted
     )
+    return _rowcount(ended) == 1
+
+
+USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd")
+
+
+def add_usage_to_parent(session: Session, *, job_id: str, usage: dict[str, Any]) -> str | None:
+    """One level of carrying up usage that job ``job_id`` (a child job) gained after its parent's
+    recursive step stopped taking it (the parent ended first and closed the step, or the child's late
+    usage came after it ended): under the parent's row lock (so a parent ending meanwhile either sums
+    the step with it or has ended and gets it here), adds ``usage`` to the recursive step and, when the
+    parent has ended too, to its totals. Returns the parent's id in that case (its own parent needs it
+    next), else None."""
+    child = session.execute(sa.select(col(Job.parent_job_id), col(Job.parent_step_index))
+                            .where(col(Job.id) == job_id)).first()
+    if child is None or child[0] is None or child[1] is None:
+        return None
+    parent_id, index = str(child[0]), int(child[1])
+    head = lock_job(session, job_id=parent_id)
+    if head is None:
+        return None
+    added = {k: usage[k] for k in USAGE_COLUMNS}
+    session.execute(sa.update(Step).where(col(Step.job_id) == parent_id, col(Step.index) == index)
+                    .values({getattr(Step, k): getattr(Step, k) + v for k, v in added.items()}))
+    if head.status not in JobStatus.TERMINAL:
+        return None  # its totals are summed from its steps when it ends
+    session.execute(sa.update(Job).where(col(Job.id) == parent_id)
+                    .values({getattr(Job, k): getattr(Job, k) + v for k, v in added.items()}))
+    return parent_id
 
 
 def update_step(session: Session, *, step_id: int, **values: Any) -> None:

@@ -25,10 +25,14 @@ from tests.hot_path_cases import CASES, new_chain, new_dag, taker
 
 @pytest.fixture
 def statements() -> Iterator[list[str]]:
-    """Each statement sent, flattened; one sent inside a psycopg pipeline is prefixed ``|``."""
+    """Each statement this thread sends, flattened; one sent inside a psycopg pipeline is prefixed ``|``.
+    (Not the heartbeat thread's: its lease renewal every ``step_lease_s / 3`` may land mid-test.)"""
     seen: list[str] = []
+    mine = threading.get_ident()
 
     def capture(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if threading.get_ident() != mine:
+            return
         piped = cursor.connection.pgconn.pipeline_status != 0  # libpq's PQ_PIPELINE_OFF
         seen.append(("|" if piped else "") + " ".join(statement.split()))
 
