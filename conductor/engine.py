@@ -184,8 +184,11 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
                                  plan_claim=claim, **usage)  # the planner was paid for: its usage stays
             return Dispatch()
         if not store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.RUNNING,
-                                    plan_claim=claim, **_plan_columns(result)):
-            return Dispatch()  # cancelled while the planner ran, or this claim was superseded
+                                    plan_claim=claim, added=store.PLANNER_USAGE, **_plan_columns(result)):
+            # Cancelled while the planner ran, or this claim was superseded: the plan is dropped, what
+            # the planner cost is not.
+            store.add_lost_planner_usage(s, job_id=job_id, claim=claim, usage=_plan_columns(result))
+            return Dispatch()
         rows = step_rows(s, job, wf)  # a replay's reusable steps arrive already succeeded
         done = [row["index"] for row in rows if row["status"] == StepStatus.SUCCEEDED]
         if len(done) == len(rows):

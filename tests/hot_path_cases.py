@@ -10,6 +10,8 @@ from typing import Any
 
 from conductor import engine
 from conductor.engine import Taker, plan_job, run_step, run_taken
+from conductor.planning.planner import make_plan
+from conductor.replay import step_rows
 from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import session_scope, transaction
@@ -410,6 +412,43 @@ def a_child_ending_after_its_parent_carries_its_usage_up() -> None:
         assert store.add_usage_to_parent(s, job_id=parent_id, usage=late) is None
 
 
+def a_superseded_planning_adds_its_planner_usage_and_a_landed_plan_is_not_counted_twice() -> None:
+    """Two planning claims of one job (the reconciler re-drove the first): the first, lost, adds what its
+    planner cost; the second's plan adds its own instead of overwriting it. A re-run of the second's
+    transaction after its commit landed (the plan is in: its claim, its steps) adds nothing more."""
+    job_id = new_chain(1)
+    first = transaction(lambda s: store.claim_planning_job(s, job_id=job_id))
+    assert first is not None
+    with session_scope() as s:  # what the reconciler does to a planning whose worker looks dead
+        assert store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
+    second = transaction(lambda s: store.claim_planning_job(s, job_id=job_id))
+    assert second is not None and second[0] == first[0] + 1
+    u1 = {"planner_input_tokens": 10, "planner_output_tokens": 5, "planner_cost_usd": 0.25, "planner_calls": 2}
+    u2 = {"planner_input_tokens": 100, "planner_output_tokens": 50, "planner_cost_usd": 1.0, "planner_calls": 1}
+
+    def planner_usage() -> tuple[Any, ...]:
+        with session_scope() as s:
+            job = store.get_job(s, job_id=job_id)
+            assert job is not None
+            return (job.planner_input_tokens, job.planner_output_tokens, job.planner_cost_usd, job.planner_calls,
+                    job.input_tokens)
+
+    with session_scope() as s:
+        assert store.add_lost_planner_usage(s, job_id=job_id, claim=first[0], usage=u1)
+    assert planner_usage() == (10, 5, 0.25, 2, 0)  # the job is still planning: its totals come at its end
+    settings = get_settings()
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        assert job is not None
+        assert store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.RUNNING,
+                                    plan_claim=second[0], added=store.PLANNER_USAGE, **u2)
+        store.insert_steps(s, steps=step_rows(s, job, make_plan(job, settings=settings).workflow))
+    assert planner_usage() == (110, 55, 1.25, 3, 0)
+    with session_scope() as s:  # the second claim's body run again after its commit landed
+        assert not store.add_lost_planner_usage(s, job_id=job_id, claim=second[0], usage=u2)
+    assert planner_usage() == (110, 55, 1.25, 3, 0)
+
+
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
@@ -423,4 +462,5 @@ CASES = (
     a_step_reclaimed_after_its_worker_died_does_not_count_its_own_reservation,
     a_claim_re_run_after_its_commit_landed_returns_its_attempt_and_counts_none,
     a_child_ending_after_its_parent_carries_its_usage_up,
+    a_superseded_planning_adds_its_planner_usage_and_a_landed_plan_is_not_counted_twice,
 )

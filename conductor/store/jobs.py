@@ -196,24 +196,58 @@ def transition_job(
     from_: Sequence[str],
     to: str,
     plan_claim: int | None = None,
+    added: Sequence[str] = (),
     **values: Any,
 ) -> bool:
     """Moves a job to ``to`` only from one of ``from_`` (and, with ``plan_claim``, only if that planning
-    claim is still the current one); returns whether this caller won. ``values`` are plain column values:
-    the statement is prebuilt per (from, to, columns)."""
+    claim is still the current one); returns whether this caller won. ``values`` are plain column values,
+    set -- or, for the columns named in ``added``, added to what the column holds: the statement is
+    prebuilt per (from, to, columns)."""
     params = {"p_job_id": job_id, "p_claim": plan_claim, "p_now": utcnow(), **{f"v_{k}": v for k, v in values.items()}}
-    stmt = _transition_stmt(tuple(str(f) for f in from_), str(to), plan_claim is not None, tuple(sorted(values)))
+    stmt = _transition_stmt(tuple(str(f) for f in from_), str(to), plan_claim is not None, tuple(sorted(values)),
+                            tuple(sorted(added)))
     return _rowcount(_core(session).execute(stmt, params)) == 1
 
 
 @lru_cache(maxsize=64)
-def _transition_stmt(from_: tuple[str, ...], to: str, fenced: bool, keys: tuple[str, ...]) -> sa.Update:
+def _transition_stmt(from_: tuple[str, ...], to: str, fenced: bool, keys: tuple[str, ...],
+                     added: tuple[str, ...] = ()) -> sa.Update:
     j = JOB
     where = [j.c.id == sa.bindparam("p_job_id", type_=sa.String()), sa.or_(*(j.c.status == f for f in from_))]
     if fenced:
         where.append(j.c.plan_claims == sa.bindparam("p_claim"))
+
+    def value(k: str) -> Any:
+        given = sa.bindparam(f"v_{k}", type_=j.c[k].type)
+        return j.c[k] + given if k in added else given
+
     return sa.update(j).where(*where).values(status=to, updated_at=sa.bindparam("p_now", type_=UTCDateTime()),
-                                             **{k: sa.bindparam(f"v_{k}", type_=j.c[k].type) for k in keys})
+                                             **{k: value(k) for k in keys})
+
+
+PLANNER_USAGE = ("planner_input_tokens", "planner_output_tokens", "planner_cost_usd", "planner_calls")
+"""A job's planner usage columns: added to, never set, as more than one planning claim may have paid."""
+_TOTAL_OF = {"planner_input_tokens": "input_tokens", "planner_output_tokens": "output_tokens",
+             "planner_cost_usd": "cost_usd", "planner_calls": "calls"}
+
+
+def add_lost_planner_usage(session: Session, *, job_id: str, claim: int, usage: Mapping[str, Any]) -> bool:
+    """A planning whose plan was not recorded (the job was cancelled while the planner ran, or the
+    reconciler re-drove it and a newer claim took over) still paid for its planner calls: they are added
+    to the job's planner usage, and to its totals when the job has ended (a job still going sums them
+    when it ends). Not when the plan is this claim's own, recorded by a commit whose reply was lost (the
+    job holds this claim and has steps): that usage is in already. Returns whether it was added."""
+    j, st = JOB, STEP
+    ended = j.c.status.in_(list(JobStatus.TERMINAL))
+    values: dict[str, Any] = {}
+    for k in PLANNER_USAGE:
+        amount = sa.literal(usage[k], type_=j.c[k].type)
+        values[k] = j.c[k] + amount
+        values[_TOTAL_OF[k]] = j.c[_TOTAL_OF[k]] + sa.case((ended, amount), else_=sa.literal(0, type_=j.c[k].type))
+    planned_here = sa.and_(j.c.plan_claims == claim,
+                           sa.exists(sa.select(st.c.id).where(st.c.job_id == job_id)))
+    stmt = sa.update(j).where(j.c.id == job_id, sa.not_(planned_here)).values(values)
+    return _rowcount(session.execute(stmt)) == 1
 
 
 @cache

@@ -9,6 +9,7 @@ tests/integration; this tier pins the engine's decisions in seconds.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -395,3 +396,25 @@ def test_a_step_mid_call_when_its_job_fails_ends_and_its_call_is_counted(setting
         job.planner_input_tokens + sum(st.input_tokens for st in steps),
         job.planner_output_tokens + sum(st.output_tokens for st in steps))
     assert job.cost_usd == pytest.approx(job.planner_cost_usd + sum(st.cost_usd for st in steps))
+
+
+def test_a_planning_cancelled_while_its_planner_ran_still_counts_the_planner(settings: Settings) -> None:
+    """The plan is dropped; what the planner's calls cost is added to the cancelled job."""
+    import threading
+
+    job_id = submit(settings, planner="slow")  # a sim agent as the planner: 3 s a call
+    planned: list[Dispatch] = []
+    planner = threading.Thread(target=lambda: planned.append(plan_job(job_id, settings=settings)))
+    planner.start()
+    deadline = time.monotonic() + 30
+    while load(job_id)[0].status != JobStatus.PLANNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert cancel_job(job_id)
+    planner.join(timeout=60)
+    assert planned == [Dispatch()]  # nothing dispatched
+    job, steps = load(job_id)
+    assert job.status == JobStatus.CANCELLED and steps == []
+    assert job.planner_calls == 2 and job.planner_input_tokens > 0  # a first call and a re-ask, both paid
+    assert (job.input_tokens, job.output_tokens, job.cost_usd, job.calls) == (
+        job.planner_input_tokens, job.planner_output_tokens, job.planner_cost_usd, job.planner_calls)
