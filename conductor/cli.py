@@ -655,8 +655,7 @@ def _reconcile(args: argparse.Namespace) -> int:
     from conductor.reconcile import reconcile_once
     from conductor.tasks.send import send
 
-    report, dispatch = reconcile_once(get_settings())
-    send(dispatch)
+    report, _ = reconcile_once(get_settings(), send=send)
     print(json.dumps(report))
     return 0
 

@@ -399,10 +399,9 @@ class EmbeddedSession:
         if now < self.next_reconcile:
             return
         self.next_reconcile = now + self.settings.reconcile_interval_s
-        report, dispatch = reconcile_once(self.settings)
+        report, dispatch = reconcile_once(self.settings, send=send)
         if dispatch:
             log.info("reconciler re-drove stalled work: %s", report)
-            send(dispatch)
 
 
 @contextmanager
@@ -516,10 +515,9 @@ def _watch(job_id: str, err: TextIO, started: float, settings: Settings) -> Any:
                 return job
             if time.monotonic() >= next_reconcile:
                 next_reconcile = time.monotonic() + settings.reconcile_interval_s
-                report, dispatch = reconcile_once(settings)
+                report, dispatch = reconcile_once(settings, send=send)
                 if dispatch:
                     log.info("reconciler re-drove stalled work: %s", report)
-                    send(dispatch)
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         # Ctrl-C: the job is cancelled in the store (a queued step never starts). A model call in

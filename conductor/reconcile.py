@@ -29,6 +29,7 @@ a job stuck planning within ``planning_stale_s + reconcile_interval_s``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -51,7 +52,11 @@ WEBHOOK_BACKFILL_S = 24 * 3600.0
 MAX_BACKOFF_DOUBLINGS = 6
 
 
-def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
+def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = None
+                   ) -> tuple[dict[str, Any], Dispatch]:
+    """One pass; returns its report and the messages it gathered. With ``send``, they are sent as soon as
+    they are gathered, before the pass's batch and housekeeping work (expiring batches cancels their
+    jobs one by one): re-sends of lost steps, plans and webhooks do not wait behind it."""
     now = utcnow()
     stale_s = settings.reconcile_stale_s
     dispatch = Dispatch()
@@ -120,6 +125,8 @@ def reconcile_once(settings: Settings) -> tuple[dict[str, Any], Dispatch]:
         webhooks=len(webhooks),
         dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize) + len(dispatch.webhooks),
     )
+    if send is not None:
+        send(dispatch)
     try:
         with session_scope() as s:
             report["expired_viewer_sessions"] = delete_expired_sessions(s, now=now)

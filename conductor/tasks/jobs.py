@@ -162,8 +162,7 @@ def finalize(self: Task, job_id: str) -> None:
 def reconcile(self: Task) -> dict[str, Any]:
     from conductor.reconcile import reconcile_once
 
-    report, dispatch = reconcile_once(get_settings())
-    send(dispatch)
+    report, _ = reconcile_once(get_settings(), send=send)  # sent before the pass's batch work
     return report
 
 

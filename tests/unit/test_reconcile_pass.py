@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -95,3 +96,27 @@ def test_an_orphan_that_cannot_be_cancelled_does_not_stop_the_pass(settings: Set
     report, _ = reconcile_once(settings)
     assert report["orphans_failed_to_cancel"] == 1 and report["orphans_cancelled"] == 1
     assert report["expired_viewer_sessions"] == 1  # the rest of the pass ran
+
+
+def test_the_pass_sends_what_it_gathered_before_its_batch_work(settings: Settings,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expiring batches cancels their jobs one by one; re-sends must not wait behind that."""
+    from conductor import reconcile
+    from conductor.engine import Dispatch
+
+    order: list[str] = []
+    real_batches = reconcile.reconcile_batches
+
+    def batches() -> dict[str, Any]:
+        order.append("batches")
+        return real_batches()
+
+    monkeypatch.setattr(reconcile, "reconcile_batches", batches)
+    sent: list[Dispatch] = []
+
+    def send(d: Dispatch) -> None:
+        order.append("send")
+        sent.append(d)
+
+    report, dispatch = reconcile_once(settings, send=send)
+    assert order == ["send", "batches"] and sent == [dispatch] and "batches_ended" in report
