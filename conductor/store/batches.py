@@ -159,6 +159,12 @@ def batch_lines(session: Session, *, batch_id: str) -> list[tuple[BatchRequest, 
     return [(request, job) for request, job in session.exec(stmt)]
 
 
+def custom_ids(session: Session, *, batch_id: str) -> list[str]:
+    """The batch's lines' ``custom_id``s in input order."""
+    stmt = select(BatchRequest.custom_id).where(BatchRequest.batch_id == batch_id).order_by(col(BatchRequest.line))
+    return list(session.exec(stmt))
+
+
 def unfinished_job_ids(session: Session, *, batch_id: str) -> list[str]:
     stmt = select(Job.id).where(Job.batch_id == batch_id, col(Job.status).not_in(list(JobStatus.TERMINAL)))
     return list(session.exec(stmt))

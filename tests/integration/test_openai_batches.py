@@ -63,6 +63,13 @@ def job_line(custom_id: str, body: dict[str, Any], url: str = "/v1/jobs") -> dic
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
+def results_of(client: openai.OpenAI, batch_id: str) -> httpx.Response:
+    """GET /v1/batches/{id}/results (not in the OpenAI SDK), with the SDK client's key and address."""
+    with httpx.Client(base_url=str(client.base_url), timeout=30,
+                      headers={"Authorization": f"Bearer {client.api_key}"}) as http:
+        return http.get(f"batches/{batch_id}/results")
+
+
 def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 180) -> Any:
     """Polls until the batch ends; the timeout only keeps a broken run from hanging."""
     deadline = time.monotonic() + timeout
@@ -154,6 +161,15 @@ def test_bad_lines_fail_alone_and_land_in_the_error_file(oai: openai.OpenAI) -> 
     failed = errors["refused-by-provider"]
     assert failed["error"]["code"] == "job_failed" and failed["response"]["status_code"] == 500
 
+    merged = results_of(oai, batch.id)  # the output and error lines in one download, in input order
+    assert merged.status_code == 200 and merged.headers["content-type"].startswith("application/jsonl")
+    rows = [json.loads(line) for line in merged.text.splitlines()]
+    assert [r["custom_id"] for r in rows] == ["good", "no-task", "wrong-url", "unknown-agent", "refused-by-provider"]
+    assert rows[0] == ok and rows[1:] == list(errors.values())
+    oai.files.delete(batch.output_file_id)  # the results went with it: said, not half-answered
+    gone = results_of(oai, batch.id)
+    assert gone.status_code == 410 and gone.json()["error"]["code"] == "file_deleted", gone.text
+
 
 def test_the_file_is_refused_whole_for_duplicates_and_malformed_lines(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as dup:
@@ -193,6 +209,9 @@ def test_another_tenant_sees_404(oai: openai.OpenAI, stranger: openai.OpenAI) ->
     ended = wait_batch(oai, batch.id)
     with pytest.raises(openai.NotFoundError):
         stranger.files.content(ended.output_file_id or "")
+    theirs = results_of(stranger, batch.id)
+    assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "not_found", theirs.text
+    assert results_of(oai, batch.id).status_code == 200
     assert oai.files.retrieve(uploaded.id).id == uploaded.id  # the stranger's delete deleted nothing
 
 
@@ -295,6 +314,8 @@ def test_cancel_ends_the_batch_with_what_finished(oai: openai.OpenAI) -> None:
     slow = {"task": "t", "workflow": {"model_ids": ["slow", "slow"], "subtasks": ["x", "y"], "access_lists": [[], [0]]}}
     uploaded = oai.files.create(file=("c.jsonl", jsonl([job_line(f"s{n}", slow) for n in range(3)])), purpose="batch")
     batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+    running = results_of(oai, batch.id)
+    assert running.status_code == 409 and running.json()["error"]["code"] == "batch_not_ended", running.text
     cancelled = oai.batches.cancel(batch.id)
     assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
     assert cancelled.request_counts is not None and cancelled.request_counts.failed == 3

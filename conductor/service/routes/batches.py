@@ -7,11 +7,12 @@ exists; the reconciler does the same for batches no one reads.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, Query
+from fastapi import APIRouter, BackgroundTasks, Query, Response
 from sqlmodel import Session
 
 from conductor.batches import cancel_batch, create_batch, finish_if_done
@@ -25,6 +26,7 @@ from conductor.store.jobs import lock_tenant
 from conductor.store.models import Batch, BatchStatus
 
 router = APIRouter(tags=["openai"])
+JSONL = "application/jsonl"
 BATCH_ID_RE = re.compile(r"batch_[0-9a-f]{32}")
 MAX_LIST_LIMIT = 100
 
@@ -127,6 +129,39 @@ def list_batches(
 @router.get("/v1/batches/{batch_id}", responses=openai_errors(401, 404, 503))
 def get_batch(batch_id: str, session: SessionDep, tenant: TenantDep) -> BatchObject:
     return _current(session, batch_or_404(session, batch_id, tenant))
+
+
+RESULTS_RESPONSE: dict[int | str, dict[str, Any]] = {200: {
+    "description": "one JSON line per input line, in input order",
+    "content": {JSONL: {"schema": {"type": "string"}}}}}
+
+
+@router.get("/v1/batches/{batch_id}/results", response_class=Response,
+            responses={**openai_errors(401, 404, 409, 410, 503), **RESULTS_RESPONSE})
+def results(batch_id: str, session: SessionDep, tenant: TenantDep) -> Response:
+    """Every line's result once the batch has ended, in input order: the output file's lines (successes)
+    and the error file's (refused lines, failed and cancelled jobs) merged -- the same lines, so a
+    client needs one request instead of two file downloads and a merge. 409 while the batch runs; 410
+    when one of its files was deleted."""
+    batch = batch_or_404(session, batch_id, tenant)
+    current = _current(session, batch)
+    if current.status in BatchStatus.OPEN:
+        raise OpenAIError(409, f"batch {batch_id} is {current.status}: its results exist once it ends; poll "
+                          f"GET /v1/batches/{batch_id} until its status is completed, cancelled or expired",
+                          code="batch_not_ended", param="batch_id")
+    by_id: dict[str, bytes] = {}
+    for file_id in (current.output_file_id, current.error_file_id):
+        if file_id is None:
+            continue
+        file = store.get_file(session, file_id=file_id, tenant=tenant)
+        if file is None:
+            raise OpenAIError(410, f"the batch's file {file_id} was deleted, and its results with it",
+                              code="file_deleted", param="batch_id")
+        for line in file.content.splitlines():
+            if line.strip():
+                by_id[json.loads(line)["custom_id"]] = line
+    order = store.custom_ids(session, batch_id=batch.id)
+    return Response(b"".join(by_id[c] + b"\n" for c in order if c in by_id), media_type=JSONL)
 
 
 @router.post("/v1/batches/{batch_id}/cancel", responses=openai_errors(401, 404, 409, 503))
