@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from functools import partial
 from typing import Any, Protocol
 
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -152,7 +151,7 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
     try:
         check_deadline(job.limits, job.created_at, utcnow())
         # A slow planner is alive, not lost -- up to its longest possible run; past that it is stuck.
-        with heartbeat(settings.step_lease_s).planning(job_id, claim, for_s=longest_planning_s(settings)):
+        with heartbeat(settings.step_lease_s).planning(job_id, claim, for_s=longest_planning_s(job, settings)):
             result = replay_plan(make_plan(job, settings=settings), job)
     except DeadlineExceeded as exc:
         return fail_job(job_id, error_type=ErrorType.DEADLINE_EXCEEDED, message=str(exc), plan_claim=claim)
@@ -165,10 +164,12 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
                         message=f"planning crashed ({type(exc).__name__}); see the planner worker's log")
     wf = result.workflow
     over: list[str] = []
+    lost: list[bool] = []
     taker = [take]
 
     def record(s: Session) -> Dispatch:
         over.clear()
+        lost.clear()
         root_id = job.root_job_id
         # A top-level job has no steps and no children before its plan: only a child's tree is counted,
         # under its root's row lock (a tree's step count is checked and grown one plan at a time).
@@ -179,15 +180,10 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         if in_tree + len(wf.steps) > settings.max_tree_steps:
             over.append(f"this job tree already has {in_tree} steps; {len(wf.steps)} more would pass the limit "
                         f"of {settings.max_tree_steps} (CONDUCTOR_MAX_TREE_STEPS)")
-            usage = {k: v for k, v in _plan_columns(result).items() if k.startswith("planner_")}
-            store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.PLANNING,
-                                 plan_claim=claim, **usage)  # the planner was paid for: its usage stays
-            return Dispatch()
+            return Dispatch()  # failed below, with the planner's usage (it was paid for)
         if not store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.RUNNING,
                                     plan_claim=claim, added=store.PLANNER_USAGE, **_plan_columns(result)):
-            # Cancelled while the planner ran, or this claim was superseded: the plan is dropped, what
-            # the planner cost is not.
-            store.add_lost_planner_usage(s, job_id=job_id, claim=claim, usage=_plan_columns(result))
+            lost.append(True)  # cancelled while the planner ran, or this claim was superseded
             return Dispatch()
         rows = step_rows(s, job, wf)  # a replay's reusable steps arrive already succeeded
         done = [row["index"] for row in rows if row["status"] == StepStatus.SUCCEEDED]
@@ -214,8 +210,15 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
                     job_id, type(exc.__cause__).__name__)
         taker[0] = None
         dispatch = transaction(record)
+    usage = {k: v for k, v in _plan_columns(result).items() if k in store.PLANNER_USAGE}
+    if lost:
+        # The plan is dropped, what the planner cost is not. Outside ``record``, which runs again after a
+        # commit whose reply was lost: this add must run once (a lost reply here under-counts instead).
+        with session_scope() as s:
+            store.add_lost_planner_usage(s, job_id=job_id, claim=claim, usage=usage)
     if over:
-        return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over[0], plan_claim=claim)
+        return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over[0], plan_claim=claim,
+                        planner_usage=usage)
     return dispatch
 
 
@@ -239,9 +242,11 @@ def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], roots
     try:
         for i in _to_take(take, job.id, roots, agents, _pool(job.id, job.pool_config or {})):
             row = rows[i]
-            tokens = result.usage.input_tokens + result.usage.output_tokens + sum(
-                r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in rows)
-            cost = result.usage.cost_usd + sum(r["cost_usd"] + r["reserved_usd"] for r in rows)
+            # What the job's planners spent: this claim's, and any earlier superseded claim's on the row.
+            tokens = (job.planner_input_tokens + job.planner_output_tokens + result.usage.input_tokens
+                      + result.usage.output_tokens
+                      + sum(r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in rows))
+            cost = job.planner_cost_usd + result.usage.cost_usd + sum(r["cost_usd"] + r["reserved_usd"] for r in rows)
             unstarted = sum(r["status"] in (StepStatus.PENDING, StepStatus.QUEUED) for r in rows)
             visible = [(rows[d]["instruction"], rows[d]["output"] or "") for d in sorted(row["access_list"])]
             step_input = store.StepInput(
@@ -833,38 +838,49 @@ def finalize_job(job_id: str) -> Dispatch:
 
 
 def fail_job(
-    job_id: str, *, error_type: ErrorType, message: str, step: int | None = None, plan_claim: int | None = None
+    job_id: str, *, error_type: ErrorType, message: str, step: int | None = None, plan_claim: int | None = None,
+    planner_usage: dict[str, Any] | None = None,
 ) -> Dispatch:
     """Fails the job with a readable error; its unfinished steps (running ones too) become ``skipped``; a
     parent step fails.
 
     From planning (``plan_claim`` given) only a job still in that planning claim can be failed, so a
-    superseded planner cannot fail a job another planner already started.
+    superseded planner cannot fail a job another planner already started; ``planner_usage`` (that
+    planning's calls, whose plan is not recorded) is added to the job's.
     """
     with session_scope() as s:
         # Under the job row's lock, like every outcome: one committing meanwhile is in the totals.
         job = store.get_job(s, job_id=job_id) if store.lock_job(s, job_id=job_id) is not None else None
-        if job is None:
+        failing = [JobStatus.PLANNING] if plan_claim is not None else [JobStatus.QUEUED, JobStatus.PLANNING,
+                                                                        JobStatus.RUNNING]
+        if job is None or job.status not in failing or (plan_claim is not None and job.plan_claims != plan_claim):
             return Dispatch()
+        # Steps are closed before they are summed: closing one that a child job is settling meanwhile
+        # (under the child's lock, not this one) waits for it, so the sum below sees the child's spend. A
+        # step mid-call is closed too: its answer is dropped when the call ends and its usage joins the
+        # job's totals (``add_unrecorded_usage``), and a retryable error of it is not retried.
+        store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED)
         totals = _totals(job, store.get_steps(s, job_id=job_id, light=True))
+        planning = planner_usage or {}
+        for column, total in (("planner_input_tokens", "input_tokens"), ("planner_output_tokens", "output_tokens"),
+                              ("planner_cost_usd", "cost_usd"), ("planner_calls", "calls")):
+            totals[total] += planning.get(column, 0)
         if not store.transition_job(
             s,
             job_id=job_id,
-            from_=[JobStatus.PLANNING] if plan_claim is not None else [JobStatus.QUEUED, JobStatus.PLANNING,
-                                                                          JobStatus.RUNNING],
+            from_=failing,
             to=JobStatus.FAILED,
             plan_claim=plan_claim,
+            added=tuple(planning),
             error_type=error_type,
             error_message=message,
             error_step=step,
             finished_at=utcnow(),
+            **planning,
             **totals,
         ):
-            return Dispatch()
+            return Dispatch()  # not reached: the job's row is locked and its status was read under the lock
         hooks = _webhooks_owed(s, job_id)
-        # A step mid-call is closed too: its answer is dropped when the call ends and its usage joins the
-        # job's totals (``add_unrecorded_usage``), and a retryable error of it is not retried.
-        store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED)
         children = [c.id for c in store.get_children(s, job_id=job_id) if c.status not in JobStatus.TERMINAL]
         parent_id = job.parent_job_id
         settled = parent_id is None or _settle_parent_step(s, job, succeeded=False, answer=None, totals=totals,
@@ -958,13 +974,15 @@ def _carry_up(carry: Sequence[tuple[str, dict[str, Any]]]) -> None:
     ended first, or the usage came after the child ended) is added to that step and, level by level, to
     every ancestor that has ended too -- one short transaction per level, each under one job row's lock
     (a transaction holding a child's and then its parent's lock could deadlock with a plan, which locks
-    the root and then the child). Best effort: a failure leaves the totals short, never the job stuck."""
+    the root and then the child). Each level's add runs once (not in a ``transaction`` that runs its body
+    again after a commit whose reply was lost): best effort, a failure leaves the totals short, never the
+    job stuck nor counted twice."""
     for job_id, usage in carry:
         current: str | None = job_id
         try:
             while current is not None:
-                child = current
-                current = transaction(partial(store.add_usage_to_parent, job_id=child, usage=usage))
+                with session_scope() as s:
+                    current = store.add_usage_to_parent(s, job_id=current, usage=usage)
         except Exception:
             log.exception("carrying job %s's late usage to its ancestors failed; their totals are short by it",
                           job_id)
@@ -993,20 +1011,24 @@ def cancel_job(job_id: str) -> bool:
         before = store.get_job(s, job_id=job_id) if store.lock_job(s, job_id=job_id) is not None else None
         if before is None:
             return False
-        totals = _totals(before, store.get_steps(s, job_id=job_id, light=True))
-        won = store.transition_job(
-            s,
-            job_id=job_id,
-            from_=[JobStatus.QUEUED, JobStatus.PLANNING, JobStatus.RUNNING],
-            to=JobStatus.CANCELLED,
-            cancel_requested=True,
-            finished_at=utcnow(),
-            error_type=ErrorType.CANCELLED,
-            error_message="the job was cancelled",
-            **totals,
-        )
-        if won:
+        won, totals = False, {}
+        if before.status not in JobStatus.TERMINAL:
+            # Closed before summed (as in ``fail_job``): a child settling one of these steps meanwhile is
+            # waited for, so its spend is in the totals.
             store.close_open_steps(s, job_id=job_id, to=StepStatus.CANCELLED)
+            totals = _totals(before, store.get_steps(s, job_id=job_id, light=True))
+            won = store.transition_job(
+                s,
+                job_id=job_id,
+                from_=[JobStatus.QUEUED, JobStatus.PLANNING, JobStatus.RUNNING],
+                to=JobStatus.CANCELLED,
+                cancel_requested=True,
+                finished_at=utcnow(),
+                error_type=ErrorType.CANCELLED,
+                error_message="the job was cancelled",
+                **totals,
+            )
+        if won:
             _webhooks_owed(s, job_id)  # sent by the caller (send_webhooks_of) or the reconciler
         children = [c.id for c in store.get_children(s, job_id=job_id)]
         parent_id = before.parent_job_id if won else None

@@ -126,7 +126,11 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
         dispatched=len(dispatch.plan) + len(dispatch.steps) + len(dispatch.finalize) + len(dispatch.webhooks),
     )
     if send is not None:
-        send(dispatch)
+        try:
+            send(dispatch)
+        except Exception:  # the broker is down: these are re-sent at a later pass (their backoff noted)
+            log.exception("sending the reconciler's re-sends failed; a later pass sends them again")
+            report["send_failed"] = True
     try:
         with session_scope() as s:
             report["expired_viewer_sessions"] = delete_expired_sessions(s, now=now)

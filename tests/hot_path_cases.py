@@ -371,12 +371,11 @@ def usage_of(job_id: str) -> tuple[int, int, float]:
         return job.input_tokens, job.output_tokens, job.cost_usd
 
 
-def a_child_ending_after_its_parent_carries_its_usage_up() -> None:
-    """A parent that ends (cancelled, or failed by another step) while its child job runs closes the
-    recursive step first; the child's spend, and usage it gains after it ended, still reach the step and
-    the parent's totals."""
+def parent_with_a_spending_child() -> tuple[str, str, tuple[int, int, float]]:
+    """(parent, child, what the child spent so far): a parent whose one recursive step runs a child job
+    (a 3-step pev) that has run its first step."""
     settings = get_settings()
-    with session_scope() as s:  # one recursive step; the child plans a 3-step pev of its own
+    with session_scope() as s:
         parent, _ = create_job(s, JobCreate.model_validate({"task": "carry", "planner": "template:pev", "workflow": {
             "model_ids": ["conductor"], "subtasks": ["delegate"], "access_lists": [[]]}}), tenant="trips",
             settings=settings)
@@ -390,6 +389,14 @@ def a_child_ending_after_its_parent_carries_its_usage_up() -> None:
         done = [st for st in store.get_steps(s, job_id=child_id) if st.status == StepStatus.SUCCEEDED]
     spent = (sum(st.input_tokens for st in done), sum(st.output_tokens for st in done), sum(st.cost_usd for st in done))
     assert len(done) == 1 and spent[0] > 0 and spent[2] > 0
+    return parent_id, child_id, spent
+
+
+def a_child_ending_after_its_parent_carries_its_usage_up() -> None:
+    """A parent that ends (cancelled, or failed by another step) while its child job runs closes the
+    recursive step first; the child's spend, and usage it gains after it ended, still reach the step and
+    the parent's totals."""
+    parent_id, child_id, spent = parent_with_a_spending_child()
 
     assert engine.cancel_job(parent_id)  # closes the recursive step, then cancels the child
     with session_scope() as s:

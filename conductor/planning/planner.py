@@ -27,12 +27,17 @@ def effective_limits(max_steps: int | None, max_depth: int | None, settings: Set
     return steps, depth
 
 
-def longest_planning_s(settings: Settings) -> float:
-    """The longest a planning may run while its worker lives: each planner call (a first one and a
-    re-ask) as long as a step's longest run (every retry at its full timeout and waits)."""
+def longest_planning_s(job: Job, settings: Settings) -> float:
+    """The longest the job's planning may run while its worker lives: each planner call (a first one and
+    a re-ask) as long as a step's longest run -- every retry at the planner agent's own timeout (else
+    ``provider_timeout_s``) and waits."""
     from conductor.planning.conductor_planner import MAX_PLANNER_ATTEMPTS
 
-    return MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s()
+    pool = job.pool_config or {}
+    planner = pool.get("planner") if job.planner == CONDUCTOR_AGENT else job.planner
+    agent = (pool.get("agents") or {}).get(planner) if isinstance(planner, str) else None
+    timeout = agent.get("timeout_s") if isinstance(agent, dict) else None
+    return MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s(timeout if isinstance(timeout, int | float) else None)
 
 
 def make_plan(job: Job, *, settings: Settings) -> PlanResult:

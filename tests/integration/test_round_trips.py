@@ -7,6 +7,7 @@ mode) runs each folded statement as two or three: the store cases (tests/hot_pat
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
 from conductor.store.models import StepStatus
 from conductor.submission import JobCreate, create_job
-from tests.hot_path_cases import CASES, new_chain, new_dag, taker
+from tests.hot_path_cases import CASES, new_chain, new_dag, parent_with_a_spending_child, taker
 
 
 @pytest.fixture
@@ -306,3 +307,29 @@ def test_the_end_of_a_job_without_a_webhook_writes_no_outbox_row(statements: lis
     with session_scope() as s:
         job = store.get_job(s, job_id=job_id)
         assert job is not None and job.status == "succeeded" and job.webhook_url is None
+
+
+def test_a_parent_ending_while_its_child_settles_its_step_sums_the_childs_spend() -> None:
+    """The child's end settles the parent's recursive step under the child's row lock, not the parent's.
+    A parent cancelled at that moment closes its steps before summing them: closing waits for the
+    settling transaction, so the sum sees the child's spend (summing first read the step's old version,
+    and the totals stayed short for good)."""
+    parent_id, child_id, spent = parent_with_a_spending_child()
+    cancelled: list[bool] = []
+    with session_scope() as s:  # the child ends (as its last outcome would), not yet committed
+        head = store.lock_job(s, job_id=child_id)
+        assert head is not None
+        carry: list[Any] = []
+        assert engine._finalize(s, head, store.step_heads(s, job_id=child_id), "the child's answer", carry)
+        assert carry == []  # the step was running: settled here
+        canceller = threading.Thread(target=lambda: cancelled.append(engine.cancel_job(parent_id)))
+        canceller.start()
+        time.sleep(0.5)  # the cancel is now waiting on the step row this transaction holds
+    canceller.join(timeout=30)
+    assert cancelled == [True]
+    with session_scope() as s:
+        parent = store.get_job(s, job_id=parent_id)
+        step = store.get_step(s, job_id=parent_id, index=0)
+    assert step is not None and step.status == StepStatus.SUCCEEDED and step.output == "the child's answer"
+    assert parent is not None and parent.status == "cancelled"
+    assert (parent.input_tokens, parent.output_tokens, parent.cost_usd) == spent

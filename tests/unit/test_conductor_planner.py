@@ -297,3 +297,21 @@ def test_a_one_worker_pool_still_gets_all_three_examples_with_that_worker() -> N
     system = build_planner_messages("t", pool, max_steps=5, allow_conductor=False)[0].content
     assert "Workers:\n0. solo\n\n" in system
     assert '"model_ids": ["solo", "solo", "solo"]' in system
+
+
+def test_a_planning_is_kept_alive_for_its_planner_agents_own_timeout() -> None:
+    """A planner agent allowed an hour a call (a CPU model) is not taken for stuck after the default."""
+    from types import SimpleNamespace
+
+    from conductor.planning.conductor_planner import MAX_PLANNER_ATTEMPTS
+    from conductor.planning.planner import longest_planning_s
+    from conductor.settings import Settings
+
+    settings = Settings()
+    pool = {"planner": "slow-planner", "agents": {"slow-planner": {"provider": "sim", "timeout_s": 3600},
+                                                  "quick": {"provider": "sim"}}}
+    job: Any = SimpleNamespace(planner="conductor", pool_config=pool)
+    assert longest_planning_s(job, settings) == MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s(3600)
+    assert longest_planning_s(job, settings) > MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s()
+    job.planner = "quick"  # a request naming another agent: its (default) timeout
+    assert longest_planning_s(job, settings) == MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s()
