@@ -28,6 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
+        print("conductor: no command given; pick one of the commands above (conductor COMMAND --help)",
+              file=sys.stderr)
         return 2
     try:
         return handler(args)

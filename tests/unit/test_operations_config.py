@@ -71,3 +71,11 @@ def test_an_empty_pepper_is_warned_about(monkeypatch: pytest.MonkeyPatch, caplog
         assert not any("PEPPER" in r.getMessage() for r in caplog.records)
     finally:
         get_settings.cache_clear()
+
+
+def test_no_command_shows_the_commands_and_says_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    out, err = capsys.readouterr()
+    assert "serve" in out and "worker" in out  # the commands to pick from
+    assert err.strip().splitlines() == [
+        "conductor: no command given; pick one of the commands above (conductor COMMAND --help)"]
