@@ -215,7 +215,9 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         # The plan is dropped, what the planner cost is not. Outside ``record``, which runs again after a
         # commit whose reply was lost: this add must run once (a lost reply here under-counts instead).
         with session_scope() as s:
-            store.add_lost_planner_usage(s, job_id=job_id, claim=claim, usage=usage)
+            added = store.add_lost_planner_usage(s, job_id=job_id, claim=claim, usage=usage)
+        if added.carry_up:
+            _carry_up([(job_id, _as_totals(usage))])
     if over:
         return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over[0], plan_claim=claim,
                         planner_usage=usage)
@@ -846,53 +848,64 @@ def fail_job(
 
     From planning (``plan_claim`` given) only a job still in that planning claim can be failed, so a
     superseded planner cannot fail a job another planner already started; ``planner_usage`` (that
-    planning's calls, whose plan is not recorded) is added to the job's.
+    planning's calls, whose plan is not recorded) is added to the job's either way.
     """
+    planning = {k: v for k, v in (planner_usage or {}).items() if k in store.PLANNER_USAGE}
+    failing = [JobStatus.PLANNING] if plan_claim is not None else [JobStatus.QUEUED, JobStatus.PLANNING,
+                                                                    JobStatus.RUNNING]
+    carry: list[tuple[str, dict[str, Any]]] = []
     with session_scope() as s:
         # Under the job row's lock, like every outcome: one committing meanwhile is in the totals.
         job = store.get_job(s, job_id=job_id) if store.lock_job(s, job_id=job_id) is not None else None
-        failing = [JobStatus.PLANNING] if plan_claim is not None else [JobStatus.QUEUED, JobStatus.PLANNING,
-                                                                        JobStatus.RUNNING]
         if job is None or job.status not in failing or (plan_claim is not None and job.plan_claims != plan_claim):
-            return Dispatch()
-        # Steps are closed before they are summed: closing one that a child job is settling meanwhile
-        # (under the child's lock, not this one) waits for it, so the sum below sees the child's spend. A
-        # step mid-call is closed too: its answer is dropped when the call ends and its usage joins the
-        # job's totals (``add_unrecorded_usage``), and a retryable error of it is not retried.
-        store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED)
-        totals = _totals(job, store.get_steps(s, job_id=job_id, light=True))
-        planning = planner_usage or {}
-        for column, total in (("planner_input_tokens", "input_tokens"), ("planner_output_tokens", "output_tokens"),
-                              ("planner_cost_usd", "cost_usd"), ("planner_calls", "calls")):
-            totals[total] += planning.get(column, 0)
-        if not store.transition_job(
-            s,
-            job_id=job_id,
-            from_=failing,
-            to=JobStatus.FAILED,
-            plan_claim=plan_claim,
-            added=tuple(planning),
-            error_type=error_type,
-            error_message=message,
-            error_step=step,
-            finished_at=utcnow(),
-            **planning,
-            **totals,
-        ):
-            return Dispatch()  # not reached: the job's row is locked and its status was read under the lock
-        hooks = _webhooks_owed(s, job_id)
-        children = [c.id for c in store.get_children(s, job_id=job_id) if c.status not in JobStatus.TERMINAL]
-        parent_id = job.parent_job_id
-        settled = parent_id is None or _settle_parent_step(s, job, succeeded=False, answer=None, totals=totals,
-                                                           error=message)
-    if not settled:
-        _carry_up([(job_id, totals)])
+            # Cancelled or re-claimed while this planning ran: its planner's calls still count.
+            if job is not None and plan_claim is not None and planning and store.add_lost_planner_usage(
+                    s, job_id=job_id, claim=plan_claim, usage=planning).carry_up:
+                carry.append((job_id, _as_totals(planning)))
+            job = None
+        else:
+            if plan_claim is None:  # a job still planning has no steps yet
+                # Steps are closed before they are summed: closing one that a child job is settling
+                # meanwhile (under the child's lock, not this one) waits for it, so the sum below sees the
+                # child's spend. A step mid-call is closed too: its answer is dropped when the call ends
+                # and its usage joins the job's totals (``add_unrecorded_usage``), and a retryable error
+                # of it is not retried.
+                store.close_open_steps(s, job_id=job_id, to=StepStatus.SKIPPED)
+            totals = _totals(job, store.get_steps(s, job_id=job_id, light=True))
+            for column, total in store.PLANNER_TOTALS.items():
+                totals[total] += planning.get(column, 0)
+            store.transition_job(
+                s,
+                job_id=job_id,
+                from_=failing,
+                to=JobStatus.FAILED,
+                plan_claim=plan_claim,
+                added=tuple(planning),
+                error_type=error_type,
+                error_message=message,
+                error_step=step,
+                finished_at=utcnow(),
+                **planning,
+                **totals,
+            )  # wins: the row is locked and its status was read under the lock
+            hooks = _webhooks_owed(s, job_id)
+            children = [c.id for c in store.get_children(s, job_id=job_id) if c.status not in JobStatus.TERMINAL]
+            parent_id = job.parent_job_id
+            if parent_id is not None and not _settle_parent_step(s, job, succeeded=False, answer=None,
+                                                                 totals=totals, error=message):
+                carry.append((job_id, totals))
+    _carry_up(carry)
+    if job is None:
+        return Dispatch()
     for child in children:
         cancel_job(child)  # a failed parent's running sub-workflows are stopped, not left to spend
     telemetry.job_ended(job_id)
     return advance(parent_id) if parent_id is not None else Dispatch(webhooks=hooks)
 
 
+def _as_totals(planner_usage: dict[str, Any]) -> dict[str, Any]:
+    """Planner usage as the usage columns of a job's totals (what carrying up adds)."""
+    return {total: planner_usage.get(column, 0) for column, total in store.PLANNER_TOTALS.items()}
 
 
 class _JobUsage(Protocol):

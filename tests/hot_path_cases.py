@@ -441,7 +441,7 @@ def a_superseded_planning_adds_its_planner_usage_and_a_landed_plan_is_not_counte
                     job.input_tokens)
 
     with session_scope() as s:
-        assert store.add_lost_planner_usage(s, job_id=job_id, claim=first[0], usage=u1)
+        assert store.add_lost_planner_usage(s, job_id=job_id, claim=first[0], usage=u1) == (True, False)
     assert planner_usage() == (10, 5, 0.25, 2, 0)  # the job is still planning: its totals come at its end
     settings = get_settings()
     with session_scope() as s:
@@ -452,8 +452,31 @@ def a_superseded_planning_adds_its_planner_usage_and_a_landed_plan_is_not_counte
         store.insert_steps(s, steps=step_rows(s, job, make_plan(job, settings=settings).workflow))
     assert planner_usage() == (110, 55, 1.25, 3, 0)
     with session_scope() as s:  # the second claim's body run again after its commit landed
-        assert not store.add_lost_planner_usage(s, job_id=job_id, claim=second[0], usage=u2)
+        assert not store.add_lost_planner_usage(s, job_id=job_id, claim=second[0], usage=u2).added
     assert planner_usage() == (110, 55, 1.25, 3, 0)
+
+
+def a_child_cancelled_while_planning_carries_its_planner_usage_to_its_parent() -> None:
+    """The parent is cancelled while its child plans: the child ends at once (its totals without the
+    planner), and when its planner returns, the dropped planning's usage goes to the child and up."""
+    settings = get_settings()
+    with session_scope() as s:
+        parent, _ = create_job(s, JobCreate.model_validate({"task": "carry", "workflow": {
+            "model_ids": ["conductor"], "subtasks": ["delegate"], "access_lists": [[]]}}), tenant="trips",
+            settings=settings)
+        parent_id = parent.id
+    plan_job(parent_id, settings=settings)
+    [child_id] = run_step(parent_id, 0, worker="trips", task_id=None, settings=settings).plan
+    claimed = transaction(lambda s: store.claim_planning_job(s, job_id=child_id))  # the child's planner runs
+    assert claimed is not None
+    assert engine.cancel_job(parent_id)
+    assert usage_of(parent_id) == usage_of(child_id) == (0, 0, 0.0)
+    planner = {"planner_input_tokens": 40, "planner_output_tokens": 60, "planner_cost_usd": 0.5, "planner_calls": 1}
+    with session_scope() as s:  # what plan_job does when the planner returns and its plan is dropped
+        lost = store.add_lost_planner_usage(s, job_id=child_id, claim=claimed[0], usage=planner)
+    assert lost == (True, True)
+    engine._carry_up([(child_id, engine._as_totals(planner))])
+    assert usage_of(child_id) == usage_of(parent_id) == (40, 60, 0.5)
 
 
 CASES = (
@@ -470,4 +493,5 @@ CASES = (
     a_claim_re_run_after_its_commit_landed_returns_its_attempt_and_counts_none,
     a_child_ending_after_its_parent_carries_its_usage_up,
     a_superseded_planning_adds_its_planner_usage_and_a_landed_plan_is_not_counted_twice,
+    a_child_cancelled_while_planning_carries_its_planner_usage_to_its_parent,
 )

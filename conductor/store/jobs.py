@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache, lru_cache
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import sqlalchemy as sa
 from pydantic_core import PydanticUndefined
@@ -227,27 +227,39 @@ def _transition_stmt(from_: tuple[str, ...], to: str, fenced: bool, keys: tuple[
 
 PLANNER_USAGE = ("planner_input_tokens", "planner_output_tokens", "planner_cost_usd", "planner_calls")
 """A job's planner usage columns: added to, never set, as more than one planning claim may have paid."""
-_TOTAL_OF = {"planner_input_tokens": "input_tokens", "planner_output_tokens": "output_tokens",
-             "planner_cost_usd": "cost_usd", "planner_calls": "calls"}
+PLANNER_TOTALS = {"planner_input_tokens": "input_tokens", "planner_output_tokens": "output_tokens",
+                  "planner_cost_usd": "cost_usd", "planner_calls": "calls"}
+"""Each planner usage column and the job total it is part of."""
 
 
-def add_lost_planner_usage(session: Session, *, job_id: str, claim: int, usage: Mapping[str, Any]) -> bool:
+class LostUsage(NamedTuple):
+    added: bool
+    carry_up: bool
+    """The job had ended and is a child job: its parent's recursive step (and ended ancestors) need it too."""
+
+
+def add_lost_planner_usage(session: Session, *, job_id: str, claim: int, usage: Mapping[str, Any]) -> LostUsage:
     """A planning whose plan was not recorded (the job was cancelled while the planner ran, or the
     reconciler re-drove it and a newer claim took over) still paid for its planner calls: they are added
     to the job's planner usage, and to its totals when the job has ended (a job still going sums them
     when it ends). Not when the plan is this claim's own, recorded by a commit whose reply was lost (the
-    job holds this claim and has steps): that usage is in already. Returns whether it was added."""
+    job holds this claim and has steps): that usage is in already."""
     j, st = JOB, STEP
     ended = j.c.status.in_(list(JobStatus.TERMINAL))
     values: dict[str, Any] = {}
     for k in PLANNER_USAGE:
         amount = sa.literal(usage[k], type_=j.c[k].type)
         values[k] = j.c[k] + amount
-        values[_TOTAL_OF[k]] = j.c[_TOTAL_OF[k]] + sa.case((ended, amount), else_=sa.literal(0, type_=j.c[k].type))
+        total = PLANNER_TOTALS[k]
+        values[total] = j.c[total] + sa.case((ended, amount), else_=sa.literal(0, type_=j.c[k].type))
     planned_here = sa.and_(j.c.plan_claims == claim,
                            sa.exists(sa.select(st.c.id).where(st.c.job_id == job_id)))
-    stmt = sa.update(j).where(j.c.id == job_id, sa.not_(planned_here)).values(values)
-    return _rowcount(session.execute(stmt)) == 1
+    stmt = (sa.update(j).where(j.c.id == job_id, sa.not_(planned_here)).values(values)
+            .returning(j.c.status, j.c.parent_job_id))
+    row = session.execute(stmt).first()
+    if row is None:
+        return LostUsage(added=False, carry_up=False)
+    return LostUsage(added=True, carry_up=row[0] in JobStatus.TERMINAL and row[1] is not None)
 
 
 @cache
@@ -870,10 +882,13 @@ class JobHead:
 
 
 def lock_job(session: Session, *, job_id: str) -> JobHead | None:
-    """Reads the job's head and locks its row until commit (``SELECT … FOR UPDATE``), so two steps of
-    one job recording at once are serialized: of two parents of a join finishing together, the second
-    sees the first. SQLite has no row locks; its first write takes the database lock, which serializes
-    the same way (embedded mode is one process)."""
+    """Reads the job's head and locks its row until commit (``SELECT … FOR NO KEY UPDATE``), so two steps
+    of one job recording at once are serialized: of two parents of a join finishing together, the second
+    sees the first. ``NO KEY``: rows that reference the job (a child job, a step, a delivery) may still be
+    inserted meanwhile -- with ``FOR UPDATE`` a recursive step's claim (holding its step row, inserting its
+    child job) and a cancel of the job (holding its row, closing that step) deadlocked. SQLite has no row
+    locks; its first write takes the database lock, which serializes the same way (embedded mode is one
+    process)."""
     row = _core(session).execute(_lock_job_stmt(), {"p_job_id": job_id}).first()
     return JobHead(*row) if row is not None else None
 
@@ -884,7 +899,7 @@ def _lock_job_stmt() -> sa.Select[Any]:
     return (sa.select(j.c.id, j.c.status, j.c.created_at, j.c.parent_job_id, j.c.parent_step_index,
                       j.c.planner_input_tokens, j.c.planner_output_tokens, j.c.planner_cost_usd, j.c.planner_calls,
                       j.c.webhook_url.is_not(None).label("has_webhook"))
-            .where(j.c.id == sa.bindparam("p_job_id")).with_for_update())
+            .where(j.c.id == sa.bindparam("p_job_id")).with_for_update(key_share=True))
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def test_a_middle_step_is_five_statements_in_two_transactions(statements: list[s
     # status index and read every queued step's entries (2.6 ms at 45,000 steps, growing with the table).
     assert "count(*) FILTER (WHERE other.status" in statements[0], statements[0]
     assert "INSERT INTO step_attempt" in statements[1]  # the claim opens its attempt
-    assert "FOR UPDATE" in statements[2]
+    assert "FOR NO KEY UPDATE" in statements[2]
     assert "UPDATE step_attempt" in statements[3] and "UPDATE step SET" in statements[3]
     assert "UNION ALL" in statements[3]  # the step heads read back in the same statement
     assert "= ANY (" in statements[4]  # the ready steps as one array parameter
@@ -110,7 +110,7 @@ def test_a_step_run_next_by_the_same_slot_is_claimed_in_the_outcome_that_made_it
     assert due.steps == [] and due.taken is not None and due.taken.index == 1
     kinds = [s.split(" ")[0] for s in statements]
     assert kinds == ["|SELECT", "|WITH", "UPDATE", "SELECT", "WITH"], statements  # the claim follows the marking
-    assert "FOR UPDATE" in statements[0] and "= ANY (" in statements[2]
+    assert "FOR NO KEY UPDATE" in statements[0] and "= ANY (" in statements[2]
     assert "jsonb_agg" in statements[3] and "INSERT INTO step_attempt" in statements[4]
     assert commits == ["COMMIT"]  # one transaction for the outcome of one step and the claim of the next
 
@@ -333,3 +333,35 @@ def test_a_parent_ending_while_its_child_settles_its_step_sums_the_childs_spend(
     assert step is not None and step.status == StepStatus.SUCCEEDED and step.output == "the child's answer"
     assert parent is not None and parent.status == "cancelled"
     assert (parent.input_tokens, parent.output_tokens, parent.cost_usd) == spent
+
+
+def test_a_cancel_and_a_recursive_steps_claim_do_not_deadlock() -> None:
+    """A recursive step's claim holds its step row and inserts the child job, whose foreign key check
+    takes a key-share lock on the parent's row; a cancel holds the parent's row and closes that step.
+    With the job row locked ``FOR UPDATE`` the two waited on each other (Postgres aborted one as a
+    deadlock); ``FOR NO KEY UPDATE`` lets the insert through."""
+    settings = get_settings()
+    with session_scope() as s:
+        parent, _ = create_job(s, JobCreate.model_validate({"task": "deadlock", "workflow": {
+            "model_ids": ["conductor"], "subtasks": ["delegate"], "access_lists": [[]]}}), tenant="trips",
+            settings=settings)
+        parent_id = parent.id
+    plan_job(parent_id, settings=settings)
+    outcome: list[object] = []
+
+    def cancel() -> None:
+        try:
+            outcome.append(engine.cancel_job(parent_id))
+        except Exception as exc:  # a deadlock victim
+            outcome.append(exc)
+
+    with session_scope() as claim:
+        claim.execute(sa.text("UPDATE step SET lease_owner = 'claimer' WHERE job_id = :j AND index = 0"),
+                      {"j": parent_id})  # the claim's hold on the step row
+        canceller = threading.Thread(target=cancel)
+        canceller.start()
+        time.sleep(0.5)  # the cancel holds the parent's row and waits for the step row
+        # What inserting the child job runs (Postgres's foreign key check on job.parent_job_id):
+        claim.execute(sa.text("SELECT 1 FROM job WHERE id = :j FOR KEY SHARE"), {"j": parent_id})
+    canceller.join(timeout=30)
+    assert outcome == [True]
