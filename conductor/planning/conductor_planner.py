@@ -35,6 +35,7 @@ def plan_with_model(
     context: list[Message] | None = None,
     max_tokens: int = PLANNER_MAX_TOKENS,
     timeout_s: float = CallOptions.timeout_s,
+    usage: PlannerUsage | None = None,
 ) -> PlanResult:
     """Plans ``task`` with the model behind ``provider``; ``planner_agent`` names its pool entry.
 
@@ -53,7 +54,7 @@ def plan_with_model(
     messages = build_planner_messages(
         task, pool, max_steps=max_steps, allow_conductor=allow_conductor, context=context
     )
-    usage = PlannerUsage()
+    usage = usage if usage is not None else PlannerUsage()  # the caller's, to add to across its retries
 
     def accept(completion: Completion) -> Workflow:
         raw = parse_planner_output(completion.text, pool.worker_names)

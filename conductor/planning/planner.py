@@ -75,6 +75,7 @@ def _plan_with_agent(
     context = [Message(m["role"], m["content"]) for m in (job.context or [])]
     policy = RetryPolicy.from_settings(settings)
     attempt = 1
+    spent = PlannerUsage()  # every call's, across retries: a call that answered before one raised was paid
     while True:
         try:
             return plan_with_model(
@@ -89,6 +90,7 @@ def _plan_with_agent(
                 context=context or None,
                 max_tokens=min(config.max_tokens, 4096),
                 timeout_s=settings.provider_timeout_s,
+                usage=spent,
             )
         except ProviderError as exc:
             if not policy.should_retry(attempt, exc):
@@ -99,6 +101,7 @@ def _plan_with_agent(
                     planner=agent,
                     error=f"the planner could not be used ({exc.error_type}: {exc}); ran {pool.fallback}",
                     attempts=attempt,
+                    usage=spent,
                 )
             time.sleep(policy.delay(attempt, exc))
             attempt += 1

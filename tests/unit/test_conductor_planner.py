@@ -315,3 +315,23 @@ def test_a_planning_is_kept_alive_for_its_planner_agents_own_timeout() -> None:
     assert longest_planning_s(job, settings) > MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s()
     job.planner = "quick"  # a request naming another agent: its (default) timeout
     assert longest_planning_s(job, settings) == MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s()
+
+
+def test_a_call_that_answered_before_a_retried_error_is_still_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """First call: an invalid plan (paid). The re-ask: rate limited, so the planning is retried. Then a
+    valid plan. All answered calls count, not only those of the last try."""
+    from types import SimpleNamespace
+
+    from conductor.planning import planner as planner_module
+    from conductor.settings import Settings
+
+    provider = ScriptedProvider([FORWARD_REFERENCE, RateLimited("slow down", retry_after=0.0), VALID])
+    monkeypatch.setattr(planner_module, "provider_for", lambda _name, _config: provider)  # the network edge
+    monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_BASE_S", "0")
+    monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_MAX_S", "0")
+    job: Any = SimpleNamespace(task="write a haiku", context=None)
+    result = planner_module._plan_with_agent(job, make_pool(), "planner-llm", Settings(), max_steps=5,
+                                             allow_conductor=True)
+    assert result.source == "planner" and len(provider.calls) == 3
+    assert result.usage.calls == 2  # the first (invalid) answer and the last; the rate-limited call had none
+    assert result.usage.output_tokens == len(FORWARD_REFERENCE) // 4 + len(VALID) // 4
