@@ -148,20 +148,24 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
     if claim > settings.step_max_attempts:
         return fail_job(job_id, error_type=WORKER_LOST, plan_claim=claim,
                         message=f"planning was started {claim - 1} times and its worker never finished it")
+    planned: list[PlanResult] = []  # the planner's result, once it has one: paid for, even if refused after
     try:
         check_deadline(job.limits, job.created_at, utcnow())
         # A slow planner is alive, not lost -- up to its longest possible run; past that it is stuck.
         with heartbeat(settings.step_lease_s).planning(job_id, claim, for_s=longest_planning_s(job, settings)):
-            result = replay_plan(make_plan(job, settings=settings), job)
+            planned.append(make_plan(job, settings=settings))
+            result = replay_plan(planned[0], job)
     except DeadlineExceeded as exc:
         return fail_job(job_id, error_type=ErrorType.DEADLINE_EXCEEDED, message=str(exc), plan_claim=claim)
     except (ProviderError, WorkflowError) as exc:
         kind = ErrorType.PLANNER_ERROR if isinstance(exc, ProviderError) else ErrorType.INVALID_WORKFLOW
-        return fail_job(job_id, error_type=kind, message=f"planning failed: {exc}", plan_claim=claim)
+        return fail_job(job_id, error_type=kind, message=f"planning failed: {exc}", plan_claim=claim,
+                        planner_usage=_planner_usage(planned))
     except Exception as exc:  # a bug must end the job visibly, not leave it 'planning' forever
         log.exception("planning job %s crashed", job_id)
         return fail_job(job_id, error_type=ErrorType.INTERNAL_ERROR, plan_claim=claim,
-                        message=f"planning crashed ({type(exc).__name__}); see the planner worker's log")
+                        message=f"planning crashed ({type(exc).__name__}); see the planner worker's log",
+                        planner_usage=_planner_usage(planned))
     wf = result.workflow
     over: list[str] = []
     lost: list[bool] = []
@@ -210,7 +214,7 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
                     job_id, type(exc.__cause__).__name__)
         taker[0] = None
         dispatch = transaction(record)
-    usage = {k: v for k, v in _plan_columns(result).items() if k in store.PLANNER_USAGE}
+    usage = _planner_usage([result])
     if lost:
         # The plan is dropped, what the planner cost is not. Outside ``record``, which runs again after a
         # commit whose reply was lost: this add must run once (a lost reply here under-counts instead).
@@ -282,6 +286,11 @@ def _opened_roots(s: Session, job: Job, claims: list[_RootClaim], ids: dict[int,
                              deadline, c.owner, job.tenant)
         taken.append(Taken(job.id, c.index, agents[c.index], claim))
     return taken
+
+
+def _planner_usage(planned: list[PlanResult]) -> dict[str, Any]:
+    """The planner usage columns of a planning's result (none without one)."""
+    return {k: v for k, v in _plan_columns(planned[0]).items() if k in store.PLANNER_USAGE} if planned else {}
 
 
 def _plan_columns(result: PlanResult) -> dict[str, Any]:

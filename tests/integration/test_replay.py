@@ -149,3 +149,18 @@ def test_conductor_replay_cli(proc_env: dict[str, str], api: str, client: httpx.
     wrong = subprocess.run([sys.executable, "-m", "conductor.cli", "replay", original["id"], "--agent", "one=c"],
                            env=env, capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and "STEP_INDEX=AGENT_NAME" in wrong.stderr
+
+
+def test_a_replanned_workflow_refused_still_counts_its_planner(client: httpx.Client) -> None:
+    """The replay asks the planner again (a model this time: two paid calls, then the fallback's one
+    step); overriding an agent beyond its steps refuses the plan, and the planner's calls still count."""
+    workflow = {"model_ids": ["a", "b"], "subtasks": ["part 0", "part 1"], "access_lists": [[], [0]]}
+    created = client.post("/v1/jobs", json={"task": "replay me", "planner": "a", "workflow": workflow})
+    original = wait_terminal(client, created.json()["id"])
+    job = replay(client, original["id"], replan=True, agents={"1": "c"})
+    assert job["status"] == "failed" and job["error"]["type"] == "invalid_workflow", job
+    with session_scope() as s:
+        row = s.get(Job, job["id"])
+        assert row is not None and row.planner_calls == 2 and row.planner_input_tokens > 0
+        assert (row.input_tokens, row.output_tokens, row.calls) == (
+            row.planner_input_tokens, row.planner_output_tokens, 2)  # its totals too
