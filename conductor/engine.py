@@ -883,7 +883,7 @@ def fail_job(
             totals = _totals(job, store.get_steps(s, job_id=job_id, light=True))
             for column, total in store.PLANNER_TOTALS.items():
                 totals[total] += planning.get(column, 0)
-            store.transition_job(
+            if not store.transition_job(
                 s,
                 job_id=job_id,
                 from_=failing,
@@ -896,7 +896,10 @@ def fail_job(
                 finished_at=utcnow(),
                 **planning,
                 **totals,
-            )  # wins: the row is locked and its status was read under the lock
+            ):
+                # Only on SQLite, whose read above takes no lock: the job ended meanwhile (its steps were
+                # closed already, so the close above changed nothing).
+                return Dispatch()
             hooks = _webhooks_owed(s, job_id)
             children = [c.id for c in store.get_children(s, job_id=job_id) if c.status not in JobStatus.TERMINAL]
             parent_id = job.parent_job_id
