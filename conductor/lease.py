@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from sqlmodel import Session
 
@@ -28,6 +29,8 @@ from conductor.store import jobs as store
 from conductor.store.db import transaction
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class Heartbeat:
@@ -88,27 +91,23 @@ class Heartbeat:
 
     def held(self) -> list[tuple[int, str]]:
         """The leases to renew: every held one not past its ``for_s``."""
-        now = time.monotonic()
-        with self._lock:
-            overdue = [step_id for step_id, until in self._until.items() if until < now]
-            for step_id in overdue:
-                log.warning("step %s ran past its longest possible duration; its lease is left to expire",
-                            step_id)
-                self._held.pop(step_id, None)
-                del self._until[step_id]
-            return list(self._held.items())
+        return self._within(self._held, self._until, "step %s ran past its longest possible duration; its "
+                            "lease is left to expire")
 
     def plannings(self) -> list[tuple[str, int]]:
         """The plannings to keep alive: every one not past its ``for_s``."""
+        return self._within(self._planning, self._planning_until, "planning job %s ran past its longest "
+                            "possible duration; it is left to be re-driven")
+
+    def _within(self, kept: dict[K, V], until: dict[K, float], overdue_warning: str) -> list[tuple[K, V]]:
+        """``kept``'s entries, after dropping (with a warning) those past their deadline in ``until``."""
         now = time.monotonic()
         with self._lock:
-            overdue = [job_id for job_id, until in self._planning_until.items() if until < now]
-            for job_id in overdue:
-                log.warning("planning job %s ran past its longest possible duration; it is left to be re-driven",
-                            job_id)
-                self._planning.pop(job_id, None)
-                del self._planning_until[job_id]
-            return list(self._planning.items())
+            for key in [key for key, deadline in until.items() if deadline < now]:
+                log.warning(overdue_warning, key)
+                kept.pop(key, None)
+                del until[key]
+            return list(kept.items())
 
     def beat(self) -> int:
         """One renewal of every held lease and planning; returns how many were still held in the store."""

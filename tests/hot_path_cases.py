@@ -375,11 +375,7 @@ def parent_with_a_spending_child() -> tuple[str, str, tuple[int, int, float]]:
     """(parent, child, what the child spent so far): a parent whose one recursive step runs a child job
     (a 3-step pev) that has run its first step."""
     settings = get_settings()
-    with session_scope() as s:
-        parent, _ = create_job(s, JobCreate.model_validate({"task": "carry", "planner": "template:pev", "workflow": {
-            "model_ids": ["conductor"], "subtasks": ["delegate"], "access_lists": [[]]}}), tenant="trips",
-            settings=settings)
-        parent_id = parent.id
+    parent_id = new_chain(1, "conductor", planner="template:pev")
     plan_job(parent_id, settings=settings)
     started = run_step(parent_id, 0, worker="trips", task_id=None, settings=settings)
     [child_id] = started.plan
@@ -407,7 +403,7 @@ def a_child_ending_after_its_parent_carries_its_usage_up() -> None:
     assert (step.input_tokens, step.output_tokens, step.cost_usd) == spent  # the step took the child's spend
     assert usage_of(parent_id) == spent  # and so did the parent's totals
 
-    late = {"input_tokens": 7, "output_tokens": 3, "cost_usd": 0.5}  # a call of the child that ends late
+    late: dict[str, Any] = {"input_tokens": 7, "output_tokens": 3, "cost_usd": 0.5}  # a child call ending late
     with session_scope() as s:
         child_step = store.get_step(s, job_id=child_id, index=1)
         assert child_step is not None and child_step.id is not None
@@ -460,11 +456,7 @@ def a_child_cancelled_while_planning_carries_its_planner_usage_to_its_parent() -
     """The parent is cancelled while its child plans: the child ends at once (its totals without the
     planner), and when its planner returns, the dropped planning's usage goes to the child and up."""
     settings = get_settings()
-    with session_scope() as s:
-        parent, _ = create_job(s, JobCreate.model_validate({"task": "carry", "workflow": {
-            "model_ids": ["conductor"], "subtasks": ["delegate"], "access_lists": [[]]}}), tenant="trips",
-            settings=settings)
-        parent_id = parent.id
+    parent_id = new_chain(1, "conductor")
     plan_job(parent_id, settings=settings)
     [child_id] = run_step(parent_id, 0, worker="trips", task_id=None, settings=settings).plan
     claimed = transaction(lambda s: store.claim_planning_job(s, job_id=child_id))  # the child's planner runs

@@ -341,11 +341,7 @@ def test_a_cancel_and_a_recursive_steps_claim_do_not_deadlock() -> None:
     With the job row locked ``FOR UPDATE`` the two waited on each other (Postgres aborted one as a
     deadlock); ``FOR NO KEY UPDATE`` lets the insert through."""
     settings = get_settings()
-    with session_scope() as s:
-        parent, _ = create_job(s, JobCreate.model_validate({"task": "deadlock", "workflow": {
-            "model_ids": ["conductor"], "subtasks": ["delegate"], "access_lists": [[]]}}), tenant="trips",
-            settings=settings)
-        parent_id = parent.id
+    parent_id = new_chain(1, "conductor")
     plan_job(parent_id, settings=settings)
     outcome: list[object] = []
 

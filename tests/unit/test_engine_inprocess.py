@@ -19,13 +19,13 @@ import pytest
 
 from conductor.engine import Dispatch, cancel_job, finalize_job, plan_job, run_step
 from conductor.errors import ErrorType
-from conductor.migrations.migrate import upgrade
 from conductor.settings import Settings, get_settings
 from conductor.store import jobs as store
-from conductor.store.db import clear_engines, get_engine, session_scope, transaction
+from conductor.store.db import session_scope, transaction
 from conductor.store.models import Job, JobStatus, Step, StepAttempt, StepStatus
 from conductor.submission import JobCreate, create_job
 from tests.hot_path_cases import CASES
+from tests.sqlite_store import sqlite_store
 
 POOL = """
 planner: template:single
@@ -46,18 +46,9 @@ agents:
 def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
     pool = tmp_path / "inprocess.yaml"
     pool.write_text(POOL)
-    url = f"sqlite:///{tmp_path / 'engine.sqlite3'}"
-    monkeypatch.setenv("CONDUCTOR_DATABASE_URL", url)
-    monkeypatch.setenv("CONDUCTOR_BROKER_URL", "memory://")  # no Redis: the rate limiter stands aside
-    monkeypatch.setenv("CONDUCTOR_POOL_FILE", str(pool))
-    monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_BASE_S", "0")
-    monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_MAX_S", "0")
-    get_settings.cache_clear()
-    upgrade(url)
-    yield get_settings()
-    get_engine(url).dispose()
-    clear_engines()
-    get_settings.cache_clear()
+    with sqlite_store(tmp_path, monkeypatch, CONDUCTOR_POOL_FILE=str(pool), CONDUCTOR_RETRY_BACKOFF_BASE_S="0",
+                      CONDUCTOR_RETRY_BACKOFF_MAX_S="0") as settings:
+        yield settings
 
 
 def submit(settings: Settings, **body: Any) -> str:

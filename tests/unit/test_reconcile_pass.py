@@ -14,25 +14,18 @@ import pytest
 import sqlalchemy as sa
 from sqlmodel import col, select
 
-from conductor.migrations.migrate import upgrade
 from conductor.reconcile import reconcile_once
-from conductor.settings import Settings, get_settings
-from conductor.store.db import clear_engines, get_engine, session_scope
+from conductor.settings import Settings
+from conductor.store.db import session_scope
 from conductor.store.keys import create_key, create_session, delete_expired_sessions, tenant_for_session
 from conductor.store.models import UiSession, utcnow
+from tests.sqlite_store import sqlite_store
 
 
 @pytest.fixture
 def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
-    url = f"sqlite:///{tmp_path / 'sessions.sqlite3'}"
-    monkeypatch.setenv("CONDUCTOR_DATABASE_URL", url)
-    monkeypatch.setenv("CONDUCTOR_BROKER_URL", "memory://")
-    get_settings.cache_clear()
-    upgrade(url)
-    yield get_settings()
-    get_engine(url).dispose()
-    clear_engines()
-    get_settings.cache_clear()
+    with sqlite_store(tmp_path, monkeypatch) as store_settings:
+        yield store_settings
 
 
 def sessions_of(tenant: str, count: int) -> list[str]:
