@@ -58,7 +58,7 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: bool | None = False  # null as false: the official clients' types admit it
 
 
 class ChatCompletionRequest(BaseModel):
@@ -69,7 +69,7 @@ class ChatCompletionRequest(BaseModel):
 
     model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS, description="`conductor` or `conductor/<planner>`")
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
-    stream: bool = False
+    stream: bool | None = False  # null as false (openai-python's ``stream: Optional[Literal[False]]``)
     stream_options: StreamOptions | None = None
     metadata: Metadata | None = Field(
         default=None, max_length=MAX_METADATA_PAIRS, description="Stored as the job's metadata."

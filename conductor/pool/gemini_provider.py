@@ -50,6 +50,8 @@ FINISH_REASONS = {
     "PROHIBITED_CONTENT": "content_filter",
     "SPII": "content_filter",
     "IMAGE_SAFETY": "content_filter",
+    "IMAGE_PROHIBITED_CONTENT": "content_filter",
+    "IMAGE_RECITATION": "content_filter",
     "MALFORMED_FUNCTION_CALL": "tool_calls",
 }
 """Gemini's ``finishReason`` in the vocabulary every provider reports (OpenAI's)."""

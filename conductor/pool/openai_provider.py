@@ -118,6 +118,8 @@ class OpenAIProvider(Provider):
             input_tokens = usage.prompt_tokens if usage is not None else 0
             output_tokens = usage.completion_tokens if usage is not None else 0
             finish_reason = choice.finish_reason or "unknown"
+            if message.content is None and message.refusal:  # the model declined: as Anthropic's "refusal"
+                finish_reason = "content_filter"
             model = response.model or self.config.model
         except (AttributeError, IndexError, TypeError) as exc:
             raise malformed_response(self.where, f"missing field ({exc})", secret=api_key) from None

@@ -89,6 +89,14 @@ def test_max_tokens_finish_reason_is_reported_as_length(server: FakeGeminiServer
     assert make_provider(server).complete(MESSAGES, CallOptions()).finish_reason == "length"
 
 
+@pytest.mark.parametrize("reason", ["IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION", "SAFETY"])
+def test_withheld_output_is_reported_as_content_filter(server: FakeGeminiServer, reason: str) -> None:
+    server.script(ok("", finish_reason=reason))
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+    assert completion.finish_reason == "content_filter"
+    assert completion.extra["finish_reason"] == reason
+
+
 def test_thinking_tokens_count_as_output_and_thoughts_are_not_text(server: FakeGeminiServer) -> None:
     server.script(
         Reply(

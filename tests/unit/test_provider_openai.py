@@ -91,6 +91,23 @@ def test_success_reports_text_usage_finish_reason_and_model(server: FakeOpenAISe
     assert completion.latency_ms >= 0
 
 
+def test_a_refusal_is_its_text_with_finish_reason_content_filter(server: FakeOpenAIServer) -> None:
+    # OpenAI puts a refusal in its own field with content null, and says "stop": reported as Anthropic's
+    # stop_reason "refusal" is, so a chat client sees the answer was withheld whatever the provider.
+    server.script(Reply(body={
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "gpt-test",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": None, "refusal": "I can't help with that."}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15},
+    }))
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert completion.text == "I can't help with that."
+    assert completion.finish_reason == "content_filter"
+    assert (completion.input_tokens, completion.output_tokens) == (9, 6)
+
+
 def test_messages_model_and_temperature_go_on_the_wire_unchanged(server: FakeOpenAIServer) -> None:
     make_provider(server).complete(MESSAGES, CallOptions(temperature=0.7))
 

@@ -8,6 +8,7 @@ exists; the reconciler does the same for batches no one reads.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from datetime import datetime
 from typing import Annotated, Any
@@ -19,13 +20,14 @@ from conductor.batches import cancel_batch, create_batch, finish_if_done
 from conductor.openai_wire import BatchCreate, BatchList, BatchObject, RequestCounts
 from conductor.quotas import admission
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
-from conductor.service.openai_errors import OpenAIError, openai_errors
+from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
 from conductor.service.routes.files import check_file_quota, file_or_404
 from conductor.store import batches as store
 from conductor.store.jobs import lock_tenant
 from conductor.store.models import Batch, BatchStatus
 
 router = APIRouter(tags=["openai"])
+log = logging.getLogger(__name__)
 JSONL = "application/jsonl"
 BATCH_ID_RE = re.compile(r"batch_[0-9a-f]{32}")
 MAX_LIST_LIMIT = 100
@@ -99,7 +101,13 @@ def create(
                                   settings=settings)
     session.commit()  # the batch and every job are durable before any message is sent
     background.add_task(_enqueue, job_ids)
-    return _current(session, batch)
+    try:
+        return _current(session, batch)
+    except Exception as exc:  # a database outage now (else 503 with Retry-After): a retry would make a 2nd batch
+        log.warning("batch %s: created, but could not be read back: %s", batch.id, type(exc).__name__)
+        raise OpenAIError(503, f"batch {batch.id} was created but could not be read back "
+                          f"({type(exc).__name__}); it runs: GET /v1/batches/{batch.id} has it",
+                          code="batch_read_failed", headers=NO_RETRY) from exc
 
 
 def _enqueue(job_ids: list[str]) -> None:
@@ -148,7 +156,7 @@ def results(batch_id: str, session: SessionDep, tenant: TenantDep) -> Response:
     if current.status in BatchStatus.OPEN:
         raise OpenAIError(409, f"batch {batch_id} is {current.status}: its results exist once it ends; poll "
                           f"GET /v1/batches/{batch_id} until its status is completed, cancelled or expired",
-                          code="batch_not_ended", param="batch_id")
+                          code="batch_not_ended", param="batch_id", headers=NO_RETRY)
     by_id: dict[str, bytes] = {}
     for file_id in (current.output_file_id, current.error_file_id):
         if file_id is None:
@@ -175,5 +183,5 @@ def cancel(batch_id: str, session: SessionDep, tenant: TenantDep) -> BatchObject
         batch = batch_or_404(session, batch_id, tenant)
     elif batch.status != BatchStatus.CANCELLING:
         raise OpenAIError(409, f"batch {batch.id} is {batch.status}; only a batch in progress can be cancelled",
-                          code="conflict")
+                          code="conflict", headers=NO_RETRY)
     return _current(session, batch)

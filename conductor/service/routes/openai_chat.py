@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from conductor.store.models import Job, JobStatus
 from conductor.submission import SubmissionError, create_job, resolve_pool
 
 router = APIRouter(tags=["openai"])
+log = logging.getLogger(__name__)
 
 
 def tenant_briefly(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> str:
@@ -106,7 +108,7 @@ async def chat_completions(
     except BaseException:
         await run_in_threadpool(close_stream, tenant, slot, settings)
         raise
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return StreamingResponse(
         _held(_stream(job_id, body.model, settings, key, include_usage=include_usage), tenant, slot, settings),
         media_type="text/event-stream",
@@ -117,17 +119,24 @@ async def chat_completions(
 async def _answer(body: ChatCompletionRequest, response: Response, settings: Settings, tenant: str,
                   key: str | None) -> ChatCompletion:
     job_id = await run_in_threadpool(_submit, body, settings, tenant)
-    headers = {JOB_HEADER: job_id}
+    headers = {JOB_HEADER: job_id, **NO_RETRY}  # the job exists from here on: a retry would start a second one
     try:
         job = await _wait_for_end(job_id, settings, key)
+        if job is not None and job.status == JobStatus.SUCCEEDED:
+            reason = await run_in_threadpool(_answer_finish_reason, job_id, settings.database_url)
     except KeyRevoked as exc:
         raise OpenAIError(401, str(exc), code="invalid_api_key", type="invalid_request_error",
-                          headers={**headers, **NO_RETRY}) from exc
+                          headers=headers) from exc
+    except Exception as exc:  # a database outage while waiting (else 503 with Retry-After, which the SDK retries)
+        log.warning("chat completion %s: its wait failed: %s", job_id, type(exc).__name__)
+        raise OpenAIError(503, f"job {job_id} was submitted but its end could not be read ({type(exc).__name__}); "
+                          f"it goes on: GET /v1/jobs/{job_id} has its answer when it ends", code="job_wait_failed",
+                          headers=headers) from exc
     if job is None or job.status != JobStatus.SUCCEEDED:
         status, message, code = _not_answered(job_id, job, settings)
-        raise OpenAIError(status, message, code=code, headers={**headers, **NO_RETRY})
+        raise OpenAIError(status, message, code=code, headers=headers)
     response.headers[JOB_HEADER] = job_id
-    return completion(job, body.model, await run_in_threadpool(_answer_finish_reason, job_id, settings.database_url))
+    return completion(job, body.model, reason)
 
 
 def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str:
