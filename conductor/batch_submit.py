@@ -15,6 +15,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from conductor.openai_wire import jsonl_lines
+
 FINAL = ("completed", "failed", "expired", "cancelled")
 POLL_S = 1.0
 BAR_WIDTH = 30
@@ -85,11 +87,11 @@ def write_results(client: httpx.Client, batch: dict[str, Any], input_path: Path,
     for key in ("output_file_id", "error_file_id"):
         if batch.get(key):
             text = _content(client, batch[key])
-            for line in text.splitlines():
+            for line in jsonl_lines(text):
                 if line.strip():
                     lines[json.loads(line)["custom_id"]] = line
                     failed += key == "error_file_id"
-    order = [json.loads(raw)["custom_id"] for raw in input_path.read_text().splitlines() if raw.strip()]
+    order = [json.loads(raw)["custom_id"] for raw in jsonl_lines(input_path.read_text(encoding="utf-8")) if raw.strip()]
     with results.open("w") as fh:
         for custom_id in order:
             if custom_id in lines:

@@ -31,6 +31,7 @@ from conductor.openai_wire import (
     BatchOutputLine,
     BatchResponse,
     ChatCompletionRequest,
+    jsonl_lines,
 )
 from conductor.settings import Settings
 from conductor.store import batches as store
@@ -86,7 +87,7 @@ def parse_input(content: bytes, settings: Settings) -> list[InputLine]:
         raise BatchFileError(f"the file is not UTF-8 (byte {exc.start})", code="invalid_encoding") from exc
     lines: list[InputLine] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(jsonl_lines(text), start=1):
         if not raw.strip():
             continue
         if len(lines) == settings.batch_max_lines:
@@ -117,6 +118,8 @@ def _json_object(raw: str, number: int) -> dict[str, Any]:
         item = json.loads(raw, parse_constant=refuse_constant)
     except ValueError as exc:
         raise BatchFileError(f"not valid JSON ({exc})", code="invalid_json", line=number) from exc
+    except RecursionError as exc:  # not a ValueError: nesting deeper than the parser's recursion limit
+        raise BatchFileError("nested too deeply to parse", code="invalid_json", line=number) from exc
     if not isinstance(item, dict):
         raise BatchFileError("each line must be a JSON object", code="invalid_json", line=number)
     return item

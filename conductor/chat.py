@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from conductor.errors import Rejection
 from conductor.openai_wire import (
     AssistantMessage,
@@ -25,7 +27,7 @@ from conductor.openai_wire import (
 from conductor.pool.config import PoolConfig, template_refs
 from conductor.settings import Settings
 from conductor.store.models import Job
-from conductor.submission import JobCreate
+from conductor.submission import MAX_PLANNER_CHARS, JobCreate
 from conductor.workflow import CONDUCTOR_AGENT
 
 MODEL_PREFIX = f"{CONDUCTOR_AGENT}/"
@@ -85,11 +87,21 @@ def chat_job(request: ChatCompletionRequest, settings: Settings) -> ChatJob:
             param="messages",
             code="context_length_exceeded",
         )
-    body = JobCreate(
-        task=last.text(),
-        planner=None if planner == CONDUCTOR_AGENT else planner,
-        metadata=dict(request.metadata or {}),
-    )
+    try:
+        body = JobCreate(
+            task=last.text(),
+            planner=None if planner == CONDUCTOR_AGENT else planner,
+            metadata=dict(request.metadata or {}),
+        )
+    except ValidationError as exc:  # what the chat request admits and a job does not (a planner name too long)
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "body"
+        if field == "planner":
+            raise ChatRequestError(
+                f"The model '{request.model}' does not exist: a planner name has at most "
+                f"{MAX_PLANNER_CHARS} characters", param="model", code="model_not_found", kind=Rejection.NOT_FOUND,
+            ) from exc
+        raise ChatRequestError(f"{field}: {first['msg']}", param=field, code="invalid_request") from exc
     return ChatJob(body=body, context=context)
 
 

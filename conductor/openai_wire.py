@@ -298,6 +298,13 @@ class BatchList(BaseModel):
     has_more: bool
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """A JSONL text's lines: split at "\n" only (a "\r" before it dropped). ``str.splitlines`` also splits
+    at U+2028, U+2029 and U+0085, which a JSON string may hold unescaped (``JSON.stringify`` leaves them,
+    and so does a batch's output of an answer containing them)."""
+    return [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")]
+
+
 # --- batch output files -----------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 MAX_URL_CHARS = 2048
+MAX_PLANNER_CHARS = 128
 MAX_JSON_DEPTH = 32
 """How deeply ``workflow`` and ``metadata`` may nest. Deeper input is refused (422) before anything
 walks it recursively (serializing a few hundred levels fails inside pydantic)."""
@@ -56,7 +57,7 @@ class JobCreate(BaseModel):
 
     task: str = Field(min_length=1, description="The job: a question, a coding task, a research brief.")
     pool: str | None = Field(default=None, max_length=64)
-    planner: str | None = Field(default=None, max_length=128)
+    planner: str | None = Field(default=None, max_length=MAX_PLANNER_CHARS)
     workflow: dict[str, Any] | None = None
     limits: Limits = Field(default_factory=Limits)
     webhook_url: HttpUrl | None = None

@@ -393,8 +393,10 @@ def test_a_batch_whose_jobs_all_ended_completes_even_when_first_looked_at_past_i
 def test_cli_submit_batch_wait_writes_the_results(proc_env: dict[str, str], api: str, key: str, workers: Any,
                                                   tmp_path: Path) -> None:
     source = tmp_path / "jobs.jsonl"
-    source.write_bytes(jsonl([chat_line(f"c{n}", f"q{n}") for n in range(5)] + [
-        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-5"}}]))
+    # unescaped U+2028 in a question (as JSON.stringify writes it) stays inside its line, on both sides
+    requests = [chat_line(f"c{n}", f"q{n}\u2028line two") for n in range(5)] + [
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-5"}}]
+    source.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in requests), encoding="utf-8")
     results = tmp_path / "out.jsonl"
     env = {**proc_env, "CONDUCTOR_API_URL": api, "CONDUCTOR_API_KEY": key}
     done = subprocess.run([sys.executable, "-m", "conductor.cli", "submit", "--batch", str(source), "--wait",

@@ -23,6 +23,24 @@ def test_lines_keep_their_numbers_and_blank_lines_are_skipped() -> None:
     assert [(x.line, x.custom_id) for x in lines] == [(1, "a"), (3, "b")]
 
 
+def test_lines_end_at_newlines_only() -> None:
+    # U+2028/U+2029/U+0085 may stand unescaped in a JSON string (JSON.stringify, ensure_ascii=False);
+    # str.splitlines cut such a line in two. CRLF line ends are fine.
+    task = "first\u2028second\u2029third\u0085fourth"
+    content = (json.dumps({"custom_id": "a", "body": {"task": task}}, ensure_ascii=False) + "\r\n"
+               + json.dumps({"custom_id": "b"}) + "\r\n").encode()
+    lines = parse_input(content, SETTINGS)
+    assert [(x.line, x.custom_id) for x in lines] == [(1, "a"), (2, "b")]
+    assert lines[0].request["body"]["task"] == task
+
+
+def test_a_line_nested_past_the_parsers_recursion_limit_is_refused_with_its_line() -> None:
+    deep = '{"custom_id": "b", "body": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    with pytest.raises(BatchFileError) as refused:
+        parse_input(jsonl({"custom_id": "a"}, deep), Settings(batch_max_file_bytes=1_000_000))
+    assert refused.value.code == "invalid_json" and refused.value.line == 2
+
+
 @pytest.mark.parametrize(
     ("content", "code", "line"),
     [

@@ -10,7 +10,11 @@ import httpx
 import openai
 import pytest
 
-from conductor.openai_wire import ChatCompletionRequest
+from conductor.chat import ChatRequestError, chat_job
+from conductor.errors import Rejection
+from conductor.openai_wire import MAX_MODEL_CHARS, ChatCompletionRequest
+from conductor.settings import Settings
+from conductor.submission import MAX_PLANNER_CHARS
 
 
 def sent_by_sdk(**kwargs: Any) -> dict[str, Any]:
@@ -40,3 +44,14 @@ def test_include_usage_null_is_false() -> None:
     request = ChatCompletionRequest.model_validate(body)
     assert request.stream is True
     assert request.stream_options is not None and not request.stream_options.include_usage
+
+
+def test_a_model_naming_a_planner_longer_than_any_is_model_not_found() -> None:
+    # the model field admits more than a job's planner does: refused as an unknown model, not a 500
+    model = "conductor/" + "x" * (MAX_PLANNER_CHARS + 1)
+    assert len(model) <= MAX_MODEL_CHARS
+    request = ChatCompletionRequest.model_validate({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(ChatRequestError) as refused:
+        chat_job(request, Settings())
+    assert (refused.value.code, refused.value.param, refused.value.kind) == ("model_not_found", "model",
+                                                                             Rejection.NOT_FOUND)
