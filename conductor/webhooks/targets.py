@@ -65,6 +65,13 @@ NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
 """Local-use NAT64 (RFC 8215): a network's own translation, which may reach its private IPv4 ranges."""
 IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
 """Deprecated IPv4-compatible addresses (RFC 4291), ``::`` and ``::1`` aside."""
+IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")
+"""IPv4-translated addresses (SIIT, RFC 2765): the last 32 bits are the IPv4 address a translator reaches."""
+GLOBAL_UNICAST = ipaddress.IPv6Network("2000::/3")
+"""The only IPv6 space allocated for public unicast (RFC 4291): anything outside it (site-local
+``fec0::/10`` among them, which the standard library calls global) is refused."""
+NOT_ROUTED_V6 = (ipaddress.IPv6Network("3fff::/20"), ipaddress.IPv6Network("5f00::/16"))
+"""Inside 2000::/3 but never routed publicly: documentation (RFC 9637) and SRv6 SIDs (RFC 9602)."""
 
 
 def address_problem(address: IPAddress, *, allow_loopback: bool) -> str | None:
@@ -75,10 +82,11 @@ def address_problem(address: IPAddress, *, allow_loopback: bool) -> str | None:
 
 def address_kind(address: IPAddress, *, allow_loopback: bool) -> str | None:
     """What makes ``address`` unsafe to call ("a private address", …), or None. An IPv6 address that
-    carries an IPv4 one (IPv4-mapped, 6to4, well-known NAT64) is judged by the IPv4 address it reaches."""
+    carries an IPv4 one (IPv4-mapped or -translated, 6to4, well-known NAT64) is judged by the IPv4 address
+    it reaches."""
     if isinstance(address, ipaddress.IPv6Address):
         embedded = address.ipv4_mapped or address.sixtofour
-        if embedded is None and address in NAT64:
+        if embedded is None and (address in NAT64 or address in IPV4_TRANSLATED):
             embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
         if embedded is not None:
             kind = address_kind(embedded, allow_loopback=allow_loopback)
@@ -98,6 +106,10 @@ def address_kind(address: IPAddress, *, allow_loopback: bool) -> str | None:
     if address.is_private:
         return "a private address"
     if not address.is_global:
+        return "a reserved address, not publicly routable"
+    if isinstance(address, ipaddress.IPv6Address) and (
+        address not in GLOBAL_UNICAST or any(address in net for net in NOT_ROUTED_V6)
+    ):
         return "a reserved address, not publicly routable"
     return None
 

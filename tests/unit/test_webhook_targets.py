@@ -27,6 +27,11 @@ REFUSED = [
     "http://[64:ff9b::a9fe:a9fe]/hook",  # ... the metadata service
     "http://[2002:a00:1::]/hook",  # 10.0.0.1 inside a 6to4 address
     "http://[64:ff9b:1::5]/hook",  # local-use NAT64
+    "http://[::ffff:0:a9fe:a9fe]/hook",  # 169.254.169.254, IPv4-translated (SIIT)
+    "http://[::ffff:0:a00:1]/hook",  # 10.0.0.1, IPv4-translated
+    "http://[fec0::1]/hook",  # site-local (deprecated; the standard library calls it global)
+    "http://[3fff::1]/hook",  # documentation (RFC 9637)
+    "http://[5f00::1]/hook",  # SRv6 SIDs (RFC 9602)
     "http://[::7f00:1]/hook",  # 127.0.0.1, IPv4-compatible (deprecated)
     "http://2130706433/hook",  # 127.0.0.1 as one decimal number
     "http://0xa9.0xfe.0xa9.0xfe/hook",  # 169.254.169.254 in hex
@@ -46,7 +51,8 @@ def test_private_loopback_link_local_and_reserved_targets_are_refused(url: str) 
 
 
 @pytest.mark.parametrize("url", ["https://hooks.example.com/conductor", "http://93.184.215.14/x",
-                                 "https://[2606:4700::1111]/x", "http://[64:ff9b::5db8:d70e]/x"])  # NAT64 to public
+                                 "https://[2606:4700::1111]/x", "http://[64:ff9b::5db8:d70e]/x",
+                                 "http://[::ffff:0:5db8:d70e]/x"])  # NAT64 and SIIT to a public address
 def test_public_targets_pass_the_submit_check(url: str) -> None:
     check_url(url, allow_loopback=False)
 
