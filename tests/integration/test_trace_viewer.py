@@ -152,6 +152,23 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
         http.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
         copied = http.cookies["conductor_session"]
         assert copied != token and with_cookie(copied).status_code == 200
+        # another site's form posts (a browser says where they come from) neither sign in nor out
+        for where in ({"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"},
+                      {"Origin": "https://evil.example"}, {"Origin": "null"}):
+            forged = http.post("/ui/logout", headers=where, follow_redirects=False)
+            assert forged.status_code == 403 and "another site" in forged.text, where
+            assert with_cookie(copied).status_code == 200  # still signed in
+            with httpx.Client(base_url=api, timeout=30) as victim:
+                planted = victim.post("/ui/login", data={"key": key}, headers=where, follow_redirects=False)
+                assert planted.status_code == 403 and "set-cookie" not in planted.headers, where
+        same = {"Sec-Fetch-Site": "same-origin", "Origin": api}
+        assert http.post("/ui/login", data={"key": key}, headers=same, follow_redirects=False).status_code == 303
+        second = http.cookies["conductor_session"]
+        assert with_cookie(second).status_code == 200
+        assert http.post("/ui/logout", headers={"Origin": api}, follow_redirects=False).status_code == 303
+        assert with_cookie(second).status_code == 401
+        http.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
+        copied = http.cookies["conductor_session"]
         http.post("/ui/logout")
         assert with_cookie(copied).status_code == 401 and with_cookie(token).status_code == 200
     with session_scope() as s:  # revoking the key ends its browser sessions

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Form, Header, Query, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
@@ -104,6 +105,18 @@ def _safe_next(target: str) -> str:
 
 
 AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
+CROSS_SITE = "Refused: the form was sent from another site. Sign in from this page."
+
+
+def _cross_site(request: Request) -> bool:
+    """A browser's form post from another site (signing a victim in to the sender's tenant, or out):
+    ``Sec-Fetch-Site`` where the browser sends it, else ``Origin`` against ``Host``. A request with neither
+    header is not a browser's cross-site post (every browser sends one of them with a form POST)."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site not in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    return origin is not None and urlsplit(origin).netloc != request.headers.get("host")
 
 
 @router.get("", include_in_schema=False)
@@ -123,7 +136,7 @@ def login_form(next: Annotated[str, Query(max_length=2048)] = "/ui/jobs") -> HTM
 
 
 @router.post("/login", response_class=HTMLResponse,
-             responses={**_responses(401, 413, 422), 303: {"description": "signed in"}})
+             responses={**_responses(401, 403, 413, 422), 303: {"description": "signed in"}})
 def login(
     request: Request,
     session: SessionDep,
@@ -131,6 +144,8 @@ def login(
     key: Annotated[str, Form(min_length=1, max_length=MAX_KEY_CHARS)],
     next: Annotated[str, Form(max_length=2048)] = "/ui/jobs",
 ) -> Response:
+    if _cross_site(request):
+        return _page("login.html", 403, next="/ui/jobs", error=CROSS_SITE, max_key=MAX_KEY_CHARS)
     if not settings.auth_required:  # every caller is the default tenant: nothing to remember
         return RedirectResponse(_safe_next(next), status_code=303)
     signed_in = create_session(session, key=key.strip(), pepper=settings.api_key_pepper, ttl_s=COOKIE_MAX_AGE_S)
@@ -145,8 +160,11 @@ def login(
     return response
 
 
-@router.post("/logout", response_class=RedirectResponse, responses={303: {"description": "signed out"}})
-def logout(request: Request, session: SessionDep, settings: SettingsDep) -> RedirectResponse:
+@router.post("/logout", response_class=RedirectResponse,
+             responses={**{k: v for k, v in _responses(403).items() if k != 200}, 303: {"description": "signed out"}})
+def logout(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
+    if _cross_site(request):
+        return _page("login.html", 403, next="/ui/jobs", error=CROSS_SITE, max_key=MAX_KEY_CHARS)
     token = request.cookies.get(COOKIE)
     if token and len(token) <= MAX_KEY_CHARS:
         end_session(session, token=token, pepper=settings.api_key_pepper)  # the token stops working, copies too
