@@ -311,14 +311,26 @@ def _result_line(batch: Batch, request: BatchRequest, job: Job | None, *, expire
                 else job_result(job))
         response = BatchResponse(status_code=200, request_id=job.id, body=body)
         return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=response, error=None)
-    cancelled = "batch_expired" if expired else "job_cancelled"
-    code = cancelled if job.status == JobStatus.CANCELLED else "job_failed"
+    if job.status == JobStatus.CANCELLED and _ended_by_the_batch(batch, job):
+        # As OpenAI's Batch API: a request the batch's cancel or window stopped has no response, only an
+        # error coded batch_cancelled / batch_expired (what it did before is at its job)
+        why = "its completion window expired" if expired else "the batch was cancelled"
+        error = BatchLineError(code="batch_expired" if expired else "batch_cancelled",
+                               message=f"this request was not finished before {why}; job {job.id}: "
+                                       f"GET /v1/jobs/{job.id}")
+        return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=None, error=error)
+    code = "job_cancelled" if job.status == JobStatus.CANCELLED else "job_failed"
     message = job.error_message or job.status
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": job.error_type},
             "conductor": job_ref(job).model_dump(mode="json")}
     response = BatchResponse(status_code=500 if code == "job_failed" else 409, request_id=job.id, body=body)
     return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=response,
                            error=BatchLineError(code=code, message=message))
+
+
+def _ended_by_the_batch(batch: Batch, job: Job) -> bool:
+    """Cancelled by the batch's cancel or expiry, not on its own before it (``POST /v1/jobs/{id}/cancel``)."""
+    return batch.cancelling_at is not None and (job.finished_at is None or job.finished_at >= batch.cancelling_at)
 
 
 def model_of(job: Job) -> str:

@@ -321,9 +321,27 @@ def test_cancel_ends_the_batch_with_what_finished(oai: openai.OpenAI) -> None:
     assert cancelled.request_counts is not None and cancelled.request_counts.failed == 3
     errors = lines_of(oai, cancelled.error_file_id)
     assert [e["custom_id"] for e in errors] == ["s0", "s1", "s2"]
-    assert {e["error"]["code"] for e in errors} == {"job_cancelled"}
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}  # as OpenAI's: no response, the error
+    assert all(e["response"] is None and "GET /v1/jobs/" in e["error"]["message"] for e in errors)
     with pytest.raises(openai.ConflictError):
         oai.batches.cancel(batch.id)
+
+
+def test_a_job_cancelled_on_its_own_before_the_batch_keeps_its_409_line(oai: openai.OpenAI) -> None:
+    slow = {"task": "t", "workflow": {"model_ids": ["slow", "slow"], "subtasks": ["x", "y"], "access_lists": [[], [0]]}}
+    uploaded = oai.files.create(file=("o.jsonl", jsonl([job_line(f"o{n}", slow) for n in range(2)])), purpose="batch")
+    batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+    with session_scope() as s:
+        first = s.exec(select(Job.id).where(Job.batch_id == batch.id).order_by(Job.created_at, Job.id)).first()
+    with httpx.Client(base_url=str(oai.base_url), timeout=30, headers={"Authorization": f"Bearer {oai.api_key}"}) as h:
+        assert h.post(f"jobs/{first}/cancel").status_code == 202
+    cancelled = oai.batches.cancel(batch.id)
+    errors = {e["custom_id"]: e for e in lines_of(oai, cancelled.error_file_id)}
+    own = next(e for e in errors.values() if e["response"] is not None)
+    assert own["error"]["code"] == "job_cancelled" and own["response"]["status_code"] == 409
+    assert own["response"]["request_id"] == first
+    (other,) = [e for e in errors.values() if e is not own]
+    assert other["error"]["code"] == "batch_cancelled" and other["response"] is None
 
 
 def test_the_reconciler_ends_a_batch_no_one_reads(api: str, key: str, workers: Any) -> None:
@@ -366,6 +384,7 @@ def test_the_reconciler_expires_a_batch_past_its_window(oai: openai.OpenAI) -> N
     assert expired.request_counts is not None and expired.request_counts.failed == 2
     errors = lines_of(oai, expired.error_file_id)
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("e0", "batch_expired"), ("e1", "batch_expired")]
+    assert all(e["response"] is None for e in errors)
 
 
 def test_a_batch_whose_jobs_all_ended_completes_even_when_first_looked_at_past_its_window(
