@@ -120,6 +120,7 @@ async def _answer(body: ChatCompletionRequest, response: Response, settings: Set
                   key: str | None) -> ChatCompletion:
     job_id = await run_in_threadpool(_submit, body, settings, tenant)
     headers = {JOB_HEADER: job_id, **NO_RETRY}  # the job exists from here on: a retry would start a second one
+    reason: str | None = None
     try:
         job = await _wait_for_end(job_id, settings, key)
         if job is not None and job.status == JobStatus.SUCCEEDED:
