@@ -1,9 +1,10 @@
 """Runs untrusted Python (a model's answer plus tests) in a subprocess with a timeout and limits.
 
 The code runs as ``python -I`` (no user site, no PYTHON* variables) in an empty temporary directory
-with an empty environment, under CPU-time, memory, file-size and process-count limits, and is killed
-with its whole process group at the timeout. That contains accidents and runaway loops; it is not a
-security boundary against hostile code: score untrusted models' code on a machine you can spare.
+with an empty environment, under CPU-time, memory, file-size and process-count limits; its whole process
+group is killed when it ends or at the timeout (a process that starts its own session outlives that).
+That contains accidents and runaway loops; it is not a security boundary against hostile code: score
+untrusted models' code on a machine you can spare.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 MEMORY_LIMIT_BYTES = 1 << 30
 FILE_SIZE_LIMIT_BYTES = 16 << 20
@@ -51,27 +53,35 @@ class RunResult:
         return self.returncode is None
 
 
-def run_python(program: str, *, timeout_s: float) -> RunResult:
-    """Runs ``program``; passed means it exited 0 within ``timeout_s``."""
-    with tempfile.TemporaryDirectory(prefix="conductor-eval-") as directory:
+def run_python(program: str, *, timeout_s: float, files: dict[str, str] | None = None) -> RunResult:
+    """Runs ``program`` (beside ``files``, written next to it); passed means it exited 0 within
+    ``timeout_s``. Its output goes to a file, not a pipe, so a process it leaves behind holds nothing open:
+    the run ends when the program does, and the whole process group is killed then."""
+    with tempfile.TemporaryDirectory(prefix="conductor-eval-") as directory, tempfile.TemporaryFile() as out:
         Path(directory, PROGRAM_FILE).write_text(program, encoding="utf-8")
+        for name, text in (files or {}).items():
+            Path(directory, name).write_text(text, encoding="utf-8")
         cmd = [sys.executable, "-I", "-c", _LAUNCHER, str(max(1, int(timeout_s) + 1))]
         proc = subprocess.Popen(
             cmd,
             cwd=directory,
             env={"PATH": os.defpath, "PYTHONHASHSEED": "0"},
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the timeout kills what it spawned too
+            start_new_session=True,  # its own process group: the kill below reaches what it spawned too
         )
         try:
-            out, _ = proc.communicate(timeout=timeout_s)
+            proc.wait(timeout=timeout_s)
+            timed_out = False
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, _ = proc.communicate()
-            return RunResult(False, None, _tail(out) + f"\n(killed after {timeout_s:g}s)")
-    return RunResult(proc.returncode == 0, proc.returncode, _tail(out))
+            timed_out = True
+        _kill_group(proc)  # at the timeout the program itself; else what it left running in its group
+        proc.wait()
+        output = _tail(out)
+    if timed_out:
+        return RunResult(False, None, output + f"\n(killed after {timeout_s:g}s)")
+    return RunResult(proc.returncode == 0, proc.returncode, output)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -79,6 +89,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _tail(out: bytes | None) -> str:
-    text = (out or b"").decode("utf-8", "replace")
-    return text[-OUTPUT_KEEP_CHARS:]
+def _tail(out: IO[bytes]) -> str:
+    size = out.seek(0, os.SEEK_END)
+    out.seek(max(0, size - 4 * OUTPUT_KEEP_CHARS))  # UTF-8: at most 4 bytes a character
+    return out.read().decode("utf-8", "replace")[-OUTPUT_KEEP_CHARS:]

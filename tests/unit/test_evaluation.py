@@ -73,7 +73,18 @@ def test_the_prompt_lists_the_choices_and_says_how_to_answer() -> None:
         ("so x = 3/4", 0.75),
         ("Answer: -2.5e3 metres", -2500.0),
         ("no digits here", None),
-        ("first 12 then 7\nFinal answer: 19 apples (not 20)", 20.0),
+        ("first 12 then 7\nFinal answer: 19 apples (not 20)", 19.0),  # the stated number, not the aside's
+        ("Answer: 1 (since 37 × 27 = 999)", 1.0),  # noqa: RUF001 (models write the sign)
+        ("Answer: 1081 (computed as 47 × 23)", 1081.0),  # noqa: RUF001
+        ("The final answer is 47 × 23 = 1081", 1081.0),  # noqa: RUF001
+        ("Answer: 91 cm^2", 91.0),
+        ("Answer: 91 cm2", 91.0),
+        ("Answer: \\frac{19}{24}", 19 / 24),
+        ("Answer: $\\boxed{42}$", 42.0),
+        ("Answer: (3/4)", 0.75),
+        ("Answer: I cannot tell. (maybe 1?)", None),  # a refusal is no answer, whatever its asides say
+        ("1000 = 37*27 + 1\nAnswer: unknown", None),  # ... nor does the reasoning stand in for it
+        ("The result is 1081.\nHope this helps!", 1081.0),  # no marker: the text's last number
     ],
 )
 def test_extract_number(text: str, expected: float | None) -> None:
@@ -95,6 +106,11 @@ def test_numeric_tolerance() -> None:
         ("B) Nitrogen", "B"),
         ("**A**", "A"),
         ("Nitrogen is most common", None),
+        ("Answer: B\n\nThe answer is a well-known fact.", "B"),  # "a" is a word, not a choice
+        ("To answer a question like this, look it up.\nB", "B"),
+        ("Answer: I think it's B", "B"),  # "I" is not one of the four letters
+        ("I pick (B).", "B"),
+        ("answer: (c)", "C"),
     ],
 )
 def test_extract_letter(text: str, expected: str | None) -> None:
@@ -118,6 +134,39 @@ def test_python_tests_pass_and_fail_on_behaviour() -> None:
     assert score(it, "```python\ndef add(a, b):\n    return a + b\n```").correct
     wrong = score(it, "```python\ndef add(a, b):\n    return a - b\n```")
     assert not wrong.correct and "AssertionError" in wrong.detail
+
+
+@pytest.mark.parametrize(("main_block", "why"), [
+    ("import unittest\nif __name__ == '__main__':\n    unittest.main()", "its own tests exit 0 first"),
+    ("import sys\nif __name__ == '__main__':\n    sys.exit(0)", "it exits 0 in its main block"),
+])
+def test_a_wrong_answer_cannot_pass_by_exiting_before_the_items_tests(main_block: str, why: str) -> None:
+    it = item(scorer="python_tests", tests="assert is_even(7) is False\n", entry_point="is_even")
+    assert not score(it, f"```python\ndef is_even(n):\n    return True\n{main_block}\n```").correct, why
+
+
+def test_exiting_0_while_loading_is_not_a_pass() -> None:
+    it = item(scorer="python_tests", tests="assert is_even(7) is False\n", entry_point="is_even")
+    result = score(it, "```python\nimport os\ndef is_even(n):\n    return True\nos._exit(0)\n```")
+    assert not result.correct and "before the tests ran" in result.detail
+
+
+def test_a_right_answer_with_an_interactive_main_block_passes() -> None:
+    it = item(scorer="python_tests", tests="assert is_even(4) and not is_even(7)\nassert fact(5) == 120\n",
+              entry_point="is_even")
+    answer = ("```python\ndef fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n\ndef is_even(n):\n"
+              "    return n % 2 == 0\n\nif __name__ == '__main__':\n    print(is_even(int(input())))\n```")
+    assert score(it, answer).correct
+
+
+def test_a_process_left_running_does_not_hold_the_run() -> None:
+    # the program exits 0 at once; what it started (in its group, or in a session of its own) keeps the
+    # output open no longer: the run is not a timeout
+    started = ("import subprocess, sys\n"
+               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(20)'])\n"
+               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(20)'], start_new_session=True)\n")
+    result = run_python(started, timeout_s=5)
+    assert result.passed and not result.timed_out, result.output
 
 
 def test_the_sandbox_kills_a_runaway_program_at_its_timeout() -> None:
