@@ -23,6 +23,10 @@ class Row:
     planner: str
     category: str
     n: int
+    """Jobs."""
+    items: int
+    """Distinct items: with several samples per item, the confidence interval is over these (samples of
+    one item are not independent draws)."""
     correct: int
     accuracy: float
     ci_low: float
@@ -48,11 +52,17 @@ def summarize(results: list[JobResult], *, by_category: bool, planners: list[str
 
 def _row(planner: str, category: str, rs: list[JobResult]) -> Row:
     correct = sum(r.correct for r in rs)
-    low, high = wilson_interval(correct, len(rs))
+    per_item: dict[str, list[float]] = defaultdict(list)
+    for r in rs:
+        per_item[r.item_id].append(float(r.correct))
+    # each item counts once, at its share of correct samples: k samples of one item do not narrow the
+    # interval k times (with one sample per item this is the plain interval over jobs)
+    low, high = wilson_interval(sum(mean(v) for v in per_item.values()), len(per_item))
     return Row(
         planner=planner,
         category=category,
         n=len(rs),
+        items=len(per_item),
         correct=correct,
         accuracy=correct / len(rs),
         ci_low=low,
@@ -71,6 +81,10 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
+def _n(row: Row) -> str:
+    return str(row.n) if row.items == row.n else f"{row.n} ({row.items} items)"
+
+
 def planner_table(rows: list[Row]) -> str:
     lines = [
         "| planner | n | accuracy % (95% CI) | mean reward | tokens/job | cost/job $ | latency s | steps/job "
@@ -79,7 +93,7 @@ def planner_table(rows: list[Row]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.planner} | {r.n} | {_pct(r.accuracy)} ({_pct(r.ci_low)}-{_pct(r.ci_high)}) | "
+            f"| {r.planner} | {_n(r)} | {_pct(r.accuracy)} ({_pct(r.ci_low)}-{_pct(r.ci_high)}) | "
             f"{r.mean_reward:.2f} | {r.tokens_per_job:.0f} | {r.cost_per_job_usd:.6f} | {r.latency_s:.1f} | "
             f"{r.steps_per_job:.1f} | {r.invalid_workflows} | {r.failed_jobs} |"
         )
@@ -96,7 +110,7 @@ def category_table(rows: list[Row]) -> str:
         for c in categories:
             r = cell.get((p, c))
             cells.append(
-                f"{_pct(r.accuracy)} ({_pct(r.ci_low)}-{_pct(r.ci_high)}, n={r.n})" if r else "n/a"
+                f"{_pct(r.accuracy)} ({_pct(r.ci_low)}-{_pct(r.ci_high)}, n={_n(r)})" if r else "n/a"
             )
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

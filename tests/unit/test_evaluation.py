@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from conductor.evaluation.dataset import DatasetError, Item, load_dataset, parse_items
 from conductor.evaluation.planners import PlannerSpecError, parse_planners, request_fields
+from conductor.evaluation.report import planner_table, summarize
 from conductor.evaluation.results import JobResult, grpo_reward
 from conductor.evaluation.router import fit_router, split_items
 from conductor.evaluation.sandbox import run_python
@@ -203,6 +205,16 @@ def result(category: str, agent: str, correct: bool, cost: float = 0.0) -> JobRe
                      status="succeeded", correct=correct, reward=1.0 if correct else 0.5, extracted=None, detail="",
                      input_tokens=0, output_tokens=0, cost_usd=cost, latency_s=0.0, steps=1, format_valid=True,
                      workflow_source="request")
+
+
+def test_samples_of_one_item_do_not_narrow_the_interval() -> None:
+    # 6 items, 4 right; 8 identical samples each: 48 jobs, but still 6 items' worth of evidence
+    once = [replace(result("c", "a", n < 4), item_id=f"i{n}") for n in range(6)]
+    eight = [replace(r, sample=k) for r in once for k in range(8)]
+    (single,), (sampled,) = summarize(once, by_category=False), summarize(eight, by_category=False)
+    assert (sampled.n, sampled.items, sampled.correct) == (48, 6, 32)
+    assert (sampled.ci_low, sampled.ci_high) == (single.ci_low, single.ci_high) == wilson_interval(4, 6)
+    assert "48 (6 items)" in planner_table([sampled])
 
 
 def test_split_keeps_every_category_on_both_sides() -> None:
