@@ -9,7 +9,9 @@ same table) on the exact messages the engine sends (``conductor.context.worker_m
   that each see all four answers, an aggregator that sees those: 9 calls).
 
 A one-step workflow (what a conductor writes for an easy question) is counted too, as the other end of
-what the access-list workflows cost.
+what the access-list workflows cost, alone and with the planning call that wrote it: the conductor's
+prompt for the shipped research pool (``conductor.planning.prompt``) and a one-step workflow as its
+answer. Template workflows (pev, MoA) need no planning call.
 
 No model runs: every answer is a fixed synthetic text of ``--answer-tokens`` tokens, so the figures
 compare context policies, not answer lengths (a real run's answers vary per agent).
@@ -18,6 +20,7 @@ compare context policies, not answer lengths (a real run's answers vary per agen
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -76,6 +79,19 @@ def count(task: str, deps: Sequence[Sequence[int]], answer: str, n: Callable[[st
     return total
 
 
+def planning(task: str, n: Callable[[str], int]) -> int:
+    """A planning call that writes a one-step workflow: the conductor's prompt for the shipped research
+    pool (at the server's default limits) in, the workflow JSON out."""
+    from conductor.planning.prompt import build_planner_messages
+    from conductor.pool.config import load_pool
+    from conductor.settings import DEFAULT_POOL_FILE
+
+    pool = load_pool(DEFAULT_POOL_FILE)
+    messages = build_planner_messages(task, pool, max_steps=5, allow_conductor=True)
+    plan = json.dumps({"model_ids": [pool.worker_names[0]], "subtasks": [task], "access_lists": [[]]})
+    return sum(n(m.content) + 4 for m in messages) + n(plan)
+
+
 def run(args: argparse.Namespace) -> Result:
     # bench.env points this process at the benchmarks' broker and database when imported: only here, so
     # that importing the workflows and the count (tests/unit/test_bench_tokens.py) changes nothing
@@ -94,14 +110,20 @@ def run(args: argparse.Namespace) -> Result:
         full = sum(count(t, everything, answer, n) for t in tasks) / len(tasks)
         data[wf] = {"steps": len(deps), "access_lists": scoped, "see_everything": full}
         rows.append([wf, len(deps), round(scoped), round(full), f"{full / scoped:.2f}x"])
+    planned = sum(planning(t, n) + count(t, WORKFLOWS["one step"], answer, n) for t in tasks) / len(tasks)
+    data["one step + planning"] = {"steps": 1, "access_lists": planned, "see_everything": planned}
+    rows.insert(1, ["one step + planning call", 1, round(planned), round(planned), "1.00x"])
     for wf in MOA:
         data[wf]["vs_pev_access_lists"] = data[wf]["access_lists"] / data["pev"]["access_lists"]
         data[wf]["vs_one_step"] = data[wf]["access_lists"] / data["one step"]["access_lists"]
+        data[wf]["vs_one_step_planned"] = data[wf]["access_lists"] / planned
     md = table(["workflow", "steps", "tokens, access lists", "tokens, see-everything", "see-everything / lists"], rows)
     md += (f"\n\nMean tokens per task over {len(tasks)} tasks, answers of {n(answer)} tokens, counted with {name}. "
            "Against pev with access lists: "
            + ", ".join(f"{wf} {data[wf]['vs_pev_access_lists']:.2f}x" for wf in MOA)
            + "; against one step: " + ", ".join(f"{wf} {data[wf]['vs_one_step']:.2f}x" for wf in MOA)
+           + "; against one step with the planning call that wrote it (research pool): "
+           + ", ".join(f"{wf} {data[wf]['vs_one_step_planned']:.2f}x" for wf in MOA)
            + ". MoA 4x2+1 is togethercomputer/MoA's `advanced-moa.py` (`layers = 3`, 4 reference models).")
     cmd = "python -m bench tokens --quick" if args.quick else \
         f"python -m bench tokens --answer-tokens {args.answer_tokens}"

@@ -44,3 +44,15 @@ def test_importing_the_benchmark_leaves_the_process_environment_alone() -> None:
     done = subprocess.run([sys.executable, "-c", check], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_planning_call_counts_the_conductors_prompt_and_its_answer() -> None:
+    from bench.tokens import planning
+    from conductor.planning.prompt import system_prompt
+    from conductor.pool.config import load_pool
+    from conductor.settings import DEFAULT_POOL_FILE
+
+    prompt = words(system_prompt(load_pool(DEFAULT_POOL_FILE)))
+    short, long = planning("task", words), planning("task " * 100, words)
+    assert short > prompt  # the whole system prompt, then the request and the workflow written
+    assert long - short >= 190  # 99 more words, in the request and again as the one step's subtask
