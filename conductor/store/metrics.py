@@ -150,7 +150,8 @@ def _webhook_deliveries(tenant: str | None) -> Any:
 
 def _webhook_attempts(tenant: str | None) -> Any:
     code = col(WebhookAttempt.status_code)
-    outcome = sa.case((code.is_(None), "error"), else_=sa.func.concat(sa.cast(code / 100, sa.Integer), "xx"))
+    # floor division: "/" is true division in SQLAlchemy 2 (a NUMERIC that Postgres rounds when cast: 451 -> 5xx)
+    outcome = sa.case((code.is_(None), "error"), else_=sa.func.concat(code // 100, "xx"))
     stmt = (
         sa.select(col(WebhookDelivery.tenant), outcome, sa.func.count())
         .select_from(sa.join(WebhookAttempt, WebhookDelivery,

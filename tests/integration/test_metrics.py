@@ -174,12 +174,14 @@ def test_queue_depth_counts_every_priority_level_of_a_queue() -> None:
 def test_webhook_deliveries_and_sends_equal_their_rows(ran: None, api: str) -> None:
     from conductor.store.models import WebhookAttempt, WebhookDelivery
 
-    with session_scope() as s:  # one delivery that took a 500 and then a 200, and one refused outright
+    # one delivery that took answers at the edges of their classes (a rounding division once put 451 in
+    # 5xx and 299 in 3xx) before a 200, and one refused outright
+    with session_scope() as s:
         job_ids = [j.id for j in s.exec(select(Job).where(Job.tenant == "tenant-m"))]
         taken = set(s.exec(select(WebhookDelivery.job_id)))
         free = [j for j in job_ids if j not in taken][:2]
         assert len(free) == 2
-        for job_id, status, codes in ((free[0], "delivered", [500, 200]), (free[1], "failed", [None])):
+        for job_id, status, codes in ((free[0], "delivered", [500, 451, 299, 250, 200]), (free[1], "failed", [None])):
             delivery = WebhookDelivery(id=f"msg_{job_id}", job_id=job_id, tenant="tenant-m",
                                        url="https://hooks.example/x", event_type="job.succeeded", status=status,
                                        attempts=len(codes))
