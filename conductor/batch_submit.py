@@ -19,6 +19,9 @@ from conductor.openai_wire import jsonl_lines
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 POLL_S = 1.0
+POLL_BACKOFF_MAX_S = 10.0
+PATIENCE_S = 300.0
+"""How long a wait keeps polling an API that fails (unreachable, 429, 5xx) before it gives up."""
 BAR_WIDTH = 30
 
 
@@ -53,12 +56,28 @@ def submit(client: httpx.Client, path: Path, endpoint: str) -> dict[str, Any]:
         "input_file_id": uploaded["id"], "endpoint": endpoint, "completion_window": "24h"})))
 
 
-def wait(client: httpx.Client, batch_id: str, *, out: TextIO = sys.stderr, poll_s: float = POLL_S) -> dict[str, Any]:
-    """Polls until the batch ends, drawing a progress bar on ``out``; returns the ended batch."""
+def wait(client: httpx.Client, batch_id: str, *, out: TextIO = sys.stderr, poll_s: float = POLL_S,
+         patience_s: float = PATIENCE_S) -> dict[str, Any]:
+    """Polls until the batch ends, drawing a progress bar on ``out``; returns the ended batch. An API that
+    cannot be reached or answers 429/5xx is polled again (a line on ``out`` says so) for up to
+    ``patience_s`` in a row before the wait gives up."""
     live = out.isatty()
     last = ""
+    failing_since: float | None = None
     while True:
-        batch = dict(_call(lambda: client.get(f"/v1/batches/{batch_id}")))
+        try:
+            batch = dict(_call(lambda: client.get(f"/v1/batches/{batch_id}")))
+            failing_since = None
+        except Transient as exc:
+            now = time.monotonic()
+            failing_since = failing_since or now
+            if now - failing_since > patience_s:
+                raise BatchSubmitError(f"{exc}; gave up after {patience_s:g}s of failed polls") from exc
+            out.write(f"{chr(10) if live and last else ''}batch {batch_id}: {exc}; polling again\n")
+            out.flush()
+            last = ""
+            time.sleep(min(POLL_BACKOFF_MAX_S, poll_s * 4))
+            continue
         bar = progress_bar(batch)
         if bar != last:
             out.write(("\r" + bar) if live else (bar + "\n"))
@@ -80,22 +99,16 @@ def progress_bar(batch: dict[str, Any]) -> str:
             f"({counts['failed']} failed) {batch['status']}")
 
 
-def write_results(client: httpx.Client, batch: dict[str, Any], input_path: Path, results: Path) -> tuple[int, int]:
-    """Writes the output and error lines in input order; returns (succeeded, failed)."""
-    lines: dict[str, str] = {}
-    failed = 0
-    for key in ("output_file_id", "error_file_id"):
-        if batch.get(key):
-            text = _content(client, batch[key])
-            for line in jsonl_lines(text):
-                if line.strip():
-                    lines[json.loads(line)["custom_id"]] = line
-                    failed += key == "error_file_id"
-    order = [json.loads(raw)["custom_id"] for raw in jsonl_lines(input_path.read_text(encoding="utf-8")) if raw.strip()]
-    with results.open("w") as fh:
-        for custom_id in order:
-            if custom_id in lines:
-                fh.write(lines[custom_id] + "\n")
+def write_results(client: httpx.Client, batch: dict[str, Any], results: Path) -> tuple[int, int]:
+    """Writes every line's result, in input order (``GET /v1/batches/{id}/results``), to ``results``;
+    returns (succeeded, failed)."""
+    text = _send(lambda: client.get(f"/v1/batches/{batch['id']}/results")).text
+    lines = [line for line in jsonl_lines(text) if line.strip()]
+    failed = sum(1 for line in lines if json.loads(line).get("error") is not None)
+    try:
+        results.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    except OSError as exc:
+        raise BatchSubmitError(f"cannot write {results}: {exc.strerror or exc}") from exc
     return len(lines) - failed, failed
 
 
@@ -108,15 +121,34 @@ def _call(request: Callable[[], httpx.Response]) -> Any:
     return _send(request).json()
 
 
+class Transient(BatchSubmitError):
+    """The API could not be reached, or answered 429 or 5xx: worth asking again."""
+
+
 def _send(request: Callable[[], httpx.Response]) -> httpx.Response:
     try:
         response = request()
     except httpx.HTTPError as exc:
-        raise BatchSubmitError(f"cannot reach the API ({exc}); is 'conductor serve' running?") from exc
+        raise Transient(f"cannot reach the API ({exc}); is 'conductor serve' running (CONDUCTOR_API_URL)?") from exc
     if response.status_code >= 400:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:200]
-        raise BatchSubmitError(f"API answered {response.status_code}: {message}")
+        message = _message(response)
+        if response.status_code == 401:
+            message += "; set CONDUCTOR_API_KEY to a key of yours (conductor keys create --tenant T)"
+        error = Transient if response.status_code == 429 or response.status_code >= 500 else BatchSubmitError
+        raise error(f"API answered {response.status_code}: {message}")
     return response
+
+
+def _message(response: httpx.Response) -> str:
+    """The error's text, from the OpenAI shape (``error.message``) or problem+json (``detail``/``title``)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if body.get("detail") or body.get("title"):
+            return str(body.get("detail") or body.get("title"))
+    return response.text[:200]

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
+
 from conductor.planner_serve import add_arguments as add_planner_serve_arguments
 from conductor.settings import get_settings
 from conductor.statuses import JobStatus
@@ -36,12 +38,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"conductor: {exc}", file=sys.stderr)
         return 1
+    except DBAPIError as exc:
+        print(f"conductor: {_database_problem(exc)}", file=sys.stderr)
+        return 1
+    except (ArgumentError, NoSuchModuleError) as exc:  # the URL itself
+        print(f"conductor: CONDUCTOR_DATABASE_URL is not a URL the store can use ({exc}); use "
+              "postgresql+psycopg://USER@HOST:5432/DB or sqlite:///PATH", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("conductor: interrupted", file=sys.stderr)
         return 130
 
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def port(text: str) -> int:
+    """A TCP port, 1-65535 (Flower took 70000 modulo 65536 and listened on 4464)."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1-65535)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("serve", help="run the REST API")
     c.add_argument("--host", default="127.0.0.1")
-    c.add_argument("--port", type=int, default=8000)
+    c.add_argument("--port", type=port, default=8000)
     c.add_argument("--workers", type=int, default=1, metavar="N",
                    help="API processes (default 1); one process uses at most one core, see docs/benchmarks.md")
     c.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -60,23 +85,23 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("worker", help="run a Celery worker")
     c.add_argument("--queues", default="planner,steps,maintenance,webhooks",
                    help="comma-separated: planner, steps, maintenance (the reconciler), webhooks")
-    c.add_argument("--concurrency", type=int, default=16)
+    c.add_argument("--concurrency", type=positive_int, default=16)
     c.add_argument("--pool", default=get_settings().worker_pool, choices=["threads", "prefork", "solo", "gevent"],
                    help="threads (default; CONDUCTOR_WORKER_POOL) runs any provider; gevent holds hundreds of "
                    "remote provider calls per process (e.g. --concurrency 1000), but not in-process local models")
-    c.add_argument("--loglevel", default="info")
+    c.add_argument("--loglevel", default="info", type=str.lower, choices=LOG_LEVELS)
     c.add_argument("--hostname", default=None)
     c.add_argument("--no-supervise", dest="supervise", action="store_false",
                    help="run Celery in this process (default: a child process, restarted if it dies)")
     c.set_defaults(handler=_worker)
 
     c = sub.add_parser("beat", help="run the reconciler schedule (Celery beat)")
-    c.add_argument("--loglevel", default="info")
+    c.add_argument("--loglevel", default="info", type=str.lower, choices=LOG_LEVELS)
     c.set_defaults(handler=_beat)
 
     c = sub.add_parser("flower", help="run Flower, the Celery monitoring UI (set FLOWER_BASIC_AUTH=user:pass)")
     c.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default: Flower can revoke tasks)")
-    c.add_argument("--port", type=int, default=5555)
+    c.add_argument("--port", type=port, default=5555)
     c.set_defaults(handler=_flower)
 
     planner = sub.add_parser("planner", help="the conductor model").add_subparsers(metavar="ACTION")
@@ -128,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="submit an OpenAI-style batch file instead of one task (prints the batch id)")
     c.add_argument("--endpoint", choices=["/v1/jobs", "/v1/chat/completions"],
                    help="the batch's endpoint (default: the url of the file's first request)")
+    c.add_argument("--batch-id", metavar="ID", help="with --wait: wait for a batch already submitted (after a wait "
+                   "was interrupted) and write its results")
     c.add_argument("--output", type=Path, help="with --batch --wait: the results file (default: FILE.results.jsonl)")
     c.set_defaults(handler=_submit)
 
@@ -254,9 +281,12 @@ def _beat(args: argparse.Namespace) -> int:
 def _flower(args: argparse.Namespace) -> int:
     from conductor.tasks.app import app
 
-    if args.host not in LOOPBACK_HOSTS and not get_settings().flower_basic_auth:
+    auth = get_settings().flower_basic_auth
+    if args.host not in LOOPBACK_HOSTS and not auth:
         raise CliError(f"Flower on {args.host} would let anyone who reaches it revoke tasks: set "
                        "FLOWER_BASIC_AUTH=user:pass, or keep the default --host 127.0.0.1")
+    if auth:  # Flower reads only the process environment; the check above also read .env
+        os.environ["FLOWER_BASIC_AUTH"] = auth  # not an argument: other users could read it in ps
     app.start(["flower", f"--address={args.host}", f"--port={args.port}"])
     return 0
 
@@ -435,19 +465,42 @@ def _api(call: Callable[[], Any]) -> Any:
         response = call()
     except httpx.HTTPError as exc:
         url = get_settings().api_url
-        raise CliError(f"cannot reach the API at {url} ({exc}); is 'conductor serve' running?") from exc
+        raise CliError(f"cannot reach the API at {url} ({exc}); is 'conductor serve' running there "
+                       "(CONDUCTOR_API_URL)?") from exc
     if response.status_code >= 400:
         try:
             body = response.json()
             detail = body.get("detail") or body.get("title")
         except ValueError:
             detail = response.text[:200]
+        if response.status_code == 401:
+            detail = (f"{detail}; set CONDUCTOR_API_KEY to a key of yours "
+                      "(an operator makes one: conductor keys create --tenant T)")
         raise CliError(f"API answered {response.status_code}: {detail}")
     return response.json()
 
 
+def _writable_file(path: Path, option: str) -> None:
+    """``path`` can be written (its folder is made if missing), or a CliError naming ``option``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"{option} {path}: cannot make its folder ({exc.strerror or exc})") from exc
+    if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise CliError(f"{option} {path}: cannot write there; choose another path")
+
+
+def _writable_dir(path: Path, option: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"{option} {path}: cannot make this folder ({exc.strerror or exc})") from exc
+    if not os.access(path, os.W_OK):
+        raise CliError(f"{option} {path}: cannot write there; choose another folder")
+
+
 def _submit(args: argparse.Namespace) -> int:
-    if args.batch is not None:
+    if args.batch is not None or args.batch_id is not None:
         return _submit_batch(args)
     if not args.task:
         raise CliError("give a TASK, or --batch FILE.jsonl")
@@ -509,17 +562,30 @@ def _submit_batch(args: argparse.Namespace) -> int:
 
     if args.task or args.workflow or args.planner or args.pool:
         raise CliError("--batch takes no TASK, --workflow, --planner or --pool: each line carries its own")
+    if args.batch_id and args.batch:
+        raise CliError("--batch-id waits for a batch already submitted: give it or --batch FILE.jsonl, not both")
+    if args.batch_id and not args.wait:
+        raise CliError("--batch-id needs --wait (it waits for the batch and writes its results)")
+    results: Path | None = None
+    if args.wait:  # found unwritable now, not after the whole batch has run
+        results = args.output or (args.batch.with_suffix(".results.jsonl") if args.batch
+                                  else Path(f"{args.batch_id}.results.jsonl"))
+        _writable_file(results, "--output")
+    batch_id = args.batch_id
     try:
         with _client() as client:
-            batch = b.submit(client, args.batch, args.endpoint or b.endpoint_of(args.batch))
-            print(batch["id"], flush=True)
-            if not args.wait:
+            if batch_id is None:
+                batch = b.submit(client, args.batch, args.endpoint or b.endpoint_of(args.batch))
+                batch_id = batch["id"]
+                print(batch_id, flush=True)
+            if results is None:
                 return 0
-            batch = b.wait(client, batch["id"])
-            results = args.output or args.batch.with_suffix(".results.jsonl")
-            _, failed = b.write_results(client, batch, args.batch, results)
+            batch = b.wait(client, batch_id)
+            _, failed = b.write_results(client, batch, results)
     except b.BatchSubmitError as exc:
-        raise CliError(str(exc)) from exc
+        resume = (f"; the batch goes on: conductor submit --batch-id {batch_id} --wait --output {results}"
+                  if batch_id and results else "")
+        raise CliError(f"{exc}{resume}") from exc
     print(results)
     total = batch["request_counts"]["total"]
     if batch["status"] != "completed" or failed:
@@ -564,6 +630,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     if not 0 < args.fit_fraction < 1:
         raise CliError("--fit-fraction must be between 0 and 1")
+    if args.out is not None:  # found unwritable now, not after every job has run
+        _writable_dir(args.out, "--out")
     try:
         run_eval(_eval_options(args, planners=args.planners, out=args.out, fit_fraction=args.fit_fraction))
     except EvalError as exc:
@@ -581,6 +649,8 @@ def _export_rollouts(args: argparse.Namespace) -> int:
     if not 0 <= args.temperature <= 2:
         raise CliError("--temperature must be 0-2")
     options = _eval_options(args, planners="conductor", samples=args.samples, planner_temperature=args.temperature)
+    if args.out is not None:
+        _writable_file(args.out, "--out")
     try:
         count = export_rollouts(options, args.out or sys.stdout, err=sys.stderr)
     except (EvalError, PoolError) as exc:
@@ -659,15 +729,42 @@ def _reconcile(args: argparse.Namespace) -> int:
 
     report, _ = reconcile_once(get_settings(), send=send)
     print(json.dumps(report))
+    problems = [why for key, why in RECONCILE_PROBLEMS.items() if report.get(key)]
+    if problems:
+        raise CliError(f"the pass did not finish everything ({'; '.join(problems)}); the log above says why, "
+                       "and the next pass retries it")
     return 0
 
 
+RECONCILE_PROBLEMS = {
+    "send_failed": "its re-sends could not be sent: is the broker (CONDUCTOR_BROKER_URL) up?",
+    "jobs_failed_to_reconcile": "some jobs could not be reconciled",
+    "orphans_failed_to_cancel": "some orphaned child jobs could not be cancelled",
+    "batches_error": "the batches could not be reconciled",
+    "batches_failed": "some batches could not be ended",
+}
+
+
+def _database_problem(exc: DBAPIError) -> str:
+    """A database error as one line saying what to do: never its SQL parameters (they can hold secrets)."""
+    where = _safe_url(get_settings().database_url)
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+    if "no such table" in reason or ("relation" in reason and "does not exist" in reason):
+        return f"the database at {where} has no Conductor Queue tables yet ({reason}): run `conductor migrate`"
+    if isinstance(exc, OperationalError):
+        return (f"cannot use the database at {where} ({reason}): check that it is up and that "
+                "CONDUCTOR_DATABASE_URL names it")
+    return f"the database at {where} refused a statement ({reason}); `conductor migrate` brings it up to date"
+
+
 def _safe_url(url: str) -> str:
-    """The database URL without its password, for messages."""
+    """The database URL without its password (in the user part or as a query parameter), for messages."""
     from sqlalchemy.engine import make_url
 
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+        hidden = {k: "***" for k in parsed.query if "pass" in k.lower() or "secret" in k.lower()}
+        return parsed.update_query_dict(hidden).render_as_string(hide_password=True)
     except Exception:  # an unparseable URL is shown as nothing rather than leaked
         return "(database)"
 

@@ -142,7 +142,11 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
     async def _db_down(_: Request, exc: Exception) -> JSONResponse:
-        log.warning("database unavailable: %s", type(exc).__name__)
+        # the driver's own message (never the statement's parameters) says which it is: the server down, a
+        # refused password, too many connections; check CONDUCTOR_DATABASE_URL and the database's log
+        orig = getattr(exc, "orig", None)
+        reason = str(orig).strip().splitlines()[0] if orig is not None and str(orig).strip() else ""
+        log.warning("database unavailable: %s: %s", type(exc).__name__, reason)
         return problem_response(503, "Database unavailable", "the job store cannot be reached; retry shortly",
                                 headers={"Retry-After": "5"})
 

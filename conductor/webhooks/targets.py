@@ -167,6 +167,7 @@ def resolve(url: str, *, allow_loopback: bool) -> Target:
         if kind:
             # The tenant reads this (the delivery's attempts): it names the kind, not the address, so
             # webhook URLs cannot map the service's internal names to their addresses. The log has both.
-            log.warning("webhook target %s refused: %s resolves to %s, %s", url, host, candidate, kind)
+            # the host, not the URL: hook URLs often carry their own tokens in the path or query
+            log.warning("webhook target refused: %s (port %s) resolves to %s, %s", host, port, candidate, kind)
             raise UnsafeTarget(f"webhook target refused: {host} resolves to {kind}")
     return Target(scheme, host, port, addresses[0])

@@ -5,9 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
+import sqlalchemy as sa
+from sqlmodel import Session, col
+
+from conductor.settings import Settings
+from conductor.store.db import get_engine
+from conductor.store.models import Job, utcnow
+from conductor.submission import JobCreate, create_job
 
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -51,12 +59,45 @@ def test_errors_are_one_line_and_non_zero(proc_env: dict[str, str]) -> None:
     assert missing.returncode == 1 and missing.stderr.startswith("conductor: no job 'no-such-job'")
     assert "postgresql+psycopg://" in missing.stderr and "Traceback" not in missing.stderr
     down = cli("submit", "x", env={**proc_env, "CONDUCTOR_API_URL": "http://127.0.0.1:1"})
-    assert down.returncode == 1 and "is 'conductor serve' running?" in down.stderr
+    assert down.returncode == 1 and "is 'conductor serve' running there (CONDUCTOR_API_URL)?" in down.stderr
     bad_db = cli("migrate", env={**proc_env, "CONDUCTOR_DATABASE_URL": "postgresql+psycopg://nobody:secret@127.0.0.1:1/x"})
     assert bad_db.returncode == 1 and "check CONDUCTOR_DATABASE_URL" in bad_db.stderr
     assert "secret" not in bad_db.stderr
     no_workers = cli("serve", "--workers", "0", env=proc_env)
     assert no_workers.returncode == 2 and "--workers must be at least 1" in no_workers.stderr
+
+
+def test_a_database_problem_is_one_line_saying_what_to_do(proc_env: dict[str, str], tmp_path: Path) -> None:
+    down = {**proc_env, "CONDUCTOR_DATABASE_URL": "postgresql+psycopg://nobody:secret@127.0.0.1:1/x?password=s2"}
+    empty = {**proc_env, "CONDUCTOR_DATABASE_URL": f"sqlite:///{tmp_path / 'empty.db'}"}
+    not_a_url = {**proc_env, "CONDUCTOR_DATABASE_URL": "postgres://nobody:secret@127.0.0.1:1/x"}
+    for args, env, says in [
+        (("keys", "list"), down, "check that it is up and that CONDUCTOR_DATABASE_URL names it"),
+        (("cancel", "0" * 32), down, "check that it is up"),
+        (("reconcile",), down, "check that it is up"),
+        (("keys", "list"), empty, "run `conductor migrate`"),
+        (("webhooks", "secret", "--tenant", "t"), empty, "run `conductor migrate`"),
+        (("keys", "list"), not_a_url, "use postgresql+psycopg://"),
+    ]:
+        done = cli(*args, env=env)
+        assert done.returncode == 1 and says in done.stderr, (args, done.stderr)
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "secret" not in done.stderr and "s2" not in done.stderr and "whsec_" not in done.stderr
+
+
+def test_reconcile_exits_non_zero_when_its_resends_cannot_be_sent(proc_env: dict[str, str], tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    env = {**proc_env, "CONDUCTOR_DATABASE_URL": url, "CONDUCTOR_BROKER_URL": "redis://127.0.0.1:1/0"}
+    assert cli("migrate", env=env).returncode == 0
+    settings = Settings(database_url=url)
+    with Session(get_engine(url)) as session:  # a job whose plan message was never sent (its API died)
+        job, _ = create_job(session, JobCreate(task="x"), tenant="t", settings=settings, commit=True)
+        session.execute(sa.update(Job).where(col(Job.id) == job.id).values(
+            enqueued_at=None, created_at=utcnow() - timedelta(minutes=1)))
+        session.commit()
+    done = cli("reconcile", env=env)
+    assert json.loads(done.stdout)["never_enqueued"] == 1
+    assert done.returncode == 1 and "is the broker (CONDUCTOR_BROKER_URL) up?" in done.stderr.splitlines()[-1]
 
 
 def test_migrate_is_idempotent(proc_env: dict[str, str]) -> None:

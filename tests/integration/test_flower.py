@@ -27,10 +27,14 @@ DIAMOND = {"model_ids": ["a", "b", "c", "d"], "subtasks": ["root", "left", "righ
 
 
 @pytest.fixture(scope="module")
-def flower(proc_env: dict[str, str]) -> Iterator[str]:
+def flower(proc_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # The login is in a .env file, as an operator may keep it: Flower itself reads only the environment,
+    # so `conductor flower` hands it over (it once checked the .env value, then served with no login).
     port = free_port()
-    env = {**proc_env, "FLOWER_BASIC_AUTH": ":".join(AUTH)}
-    proc = Proc("flower", [sys.executable, "-m", "conductor.cli", "flower", "--port", str(port)], env)
+    where = tmp_path_factory.mktemp("flower")
+    (where / ".env").write_text(f"FLOWER_BASIC_AUTH={':'.join(AUTH)}\n")
+    env = {k: v for k, v in proc_env.items() if k != "FLOWER_BASIC_AUTH"}
+    proc = Proc("flower", [sys.executable, "-m", "conductor.cli", "flower", "--port", str(port)], env, cwd=where)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

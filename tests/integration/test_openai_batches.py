@@ -427,3 +427,10 @@ def test_cli_submit_batch_wait_writes_the_results(proc_env: dict[str, str], api:
     assert [line["custom_id"] for line in lines] == [f"c{n}" for n in range(5)] + ["bad"]
     assert all(line["response"]["body"]["choices"][0]["message"]["content"] == SIM_ANSWER for line in lines[:5])
     assert lines[5]["error"]["code"] == "invalid_body"
+    # a wait that was interrupted is taken up again by the batch's id: the same results, nothing re-run
+    again = tmp_path / "again.jsonl"
+    resumed = subprocess.run([sys.executable, "-m", "conductor.cli", "submit", "--batch-id",
+                              done.stdout.splitlines()[0], "--wait", "--output", str(again)],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 1 and "1 of 6 requests failed" in resumed.stderr, resumed.stderr
+    assert again.read_text() == results.read_text()
