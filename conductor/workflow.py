@@ -8,6 +8,7 @@ output is the answer.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -204,8 +205,9 @@ def _check_step(
             msg = f"unknown agent '{_shown(agent)}'; known agents: {', '.join(sorted(known))}"
         errors.append(FieldError((*here, "agent"), msg))
     instruction = item.get("instruction")
-    if not isinstance(instruction, str) or not instruction.strip():
-        errors.append(FieldError((*here, "instruction"), "must be a non-empty string"))
+    if not isinstance(instruction, str) or _blank(instruction):
+        errors.append(FieldError((*here, "instruction"), "must be a non-empty string (more than spaces and "
+                                 "invisible characters)"))
     elif len(instruction) > max_chars:
         errors.append(FieldError((*here, "instruction"), f"{len(instruction)} characters; at most {max_chars}"))
     access, access_errors = _check_access(i, item.get("access_list", []), (*here, "access_list"))
@@ -213,6 +215,11 @@ def _check_step(
     if errors:
         return None, errors
     return Step(agent=str(agent), instruction=str(instruction), access_list=access), []
+
+
+def _blank(text: str) -> bool:
+    """Only white space and format characters (zero-width spaces and joiners, which ``str.strip`` keeps)."""
+    return not "".join(ch for ch in text if unicodedata.category(ch) != "Cf").strip()
 
 
 def _shown(value: str, limit: int = 64) -> str:

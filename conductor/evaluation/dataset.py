@@ -44,7 +44,8 @@ class Item(BaseModel):
     tolerance: float = Field(default=1e-6, ge=0)
     """numeric: the largest accepted absolute difference from ``answer``."""
     tests: str | None = Field(default=None, max_length=50_000)
-    """python_tests: Python run after the answer's code (asserts); the item passes if it exits 0."""
+    """python_tests: Python run after the answer's code (its main block left out); the item passes if they finish
+    and the program exits 0."""
     entry_point: str | None = Field(default=None, max_length=128)
     """python_tests: the function the answer must define (picks the right code block)."""
     reference: str | None = Field(default=None, max_length=50_000)

@@ -53,14 +53,12 @@ class RunResult:
         return self.returncode is None
 
 
-def run_python(program: str, *, timeout_s: float, files: dict[str, str] | None = None) -> RunResult:
-    """Runs ``program`` (beside ``files``, written next to it); passed means it exited 0 within
-    ``timeout_s``. Its output goes to a file, not a pipe, so a process it leaves behind holds nothing open:
-    the run ends when the program does, and the whole process group is killed then."""
+def run_python(program: str, *, timeout_s: float) -> RunResult:
+    """Runs ``program``; passed means it exited 0 within ``timeout_s``. Its output goes to a file, not a
+    pipe, so a process it leaves behind holds nothing open: the run ends when the program does, and the
+    whole process group is killed then. Output past the file-size limit (16 MB) ends the program."""
     with tempfile.TemporaryDirectory(prefix="conductor-eval-") as directory, tempfile.TemporaryFile() as out:
         Path(directory, PROGRAM_FILE).write_text(program, encoding="utf-8")
-        for name, text in (files or {}).items():
-            Path(directory, name).write_text(text, encoding="utf-8")
         cmd = [sys.executable, "-I", "-c", _LAUNCHER, str(max(1, int(timeout_s) + 1))]
         proc = subprocess.Popen(
             cmd,

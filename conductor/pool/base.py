@@ -34,12 +34,30 @@ class CallOptions:
 @dataclass(frozen=True)
 class Completion:
     text: str
+    """As Postgres can store it (``storable_text``), whatever the provider sent."""
     input_tokens: int
     output_tokens: int
     finish_reason: str
     model: str
     latency_ms: int
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", storable_text(self.text))
+
+
+def storable_text(text: str) -> str:
+    """``text`` with what Postgres text cannot hold replaced: NUL by U+FFFD, an unpaired surrogate by "?".
+    A model can emit either; stored as sent, the step's (or plan's) record failed at the database and its
+    job was re-run until it failed as a lost worker."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 class Provider(ABC):

@@ -87,6 +87,17 @@ def test_the_prompt_lists_the_choices_and_says_how_to_answer() -> None:
         ("Answer: I cannot tell. (maybe 1?)", None),  # a refusal is no answer, whatever its asides say
         ("1000 = 37*27 + 1\nAnswer: unknown", None),  # ... nor does the reasoning stand in for it
         ("The result is 1081.\nHope this helps!", 1081.0),  # no marker: the text's last number
+        ("**Answer:**\n\n1081", 1081.0),  # the marker's line holds only decoration
+        ("**Final Answer:**\n\\[\n\\boxed{54}\n\\]", 54.0),
+        ("The answer is straightforward...\n47 × 23 = 1081", 1081.0),  # noqa: RUF001 -- a marker in prose
+        ("Multiplying 47 by 23 gives 1081.", 1081.0),
+        ("The final answer is: 18 pencils cost $6.30", 6.3),
+        ("Answer: 15% of 360 is 54", 54.0),
+        ("Answer: 2^12 is 4096", 4096.0),
+        ("Answer: 1000 = 37 × 27 + 1, so the remainder is 1", 1.0),  # noqa: RUF001
+        ("The answer is not 50; it is 54.", 54.0),
+        ("Answer: 5050 (n(n+1)/2 with n = 100)", 5050.0),  # nested asides
+        ("Answer: 91 m²", 91.0),
     ],
 )
 def test_extract_number(text: str, expected: float | None) -> None:
@@ -113,6 +124,12 @@ def test_numeric_tolerance() -> None:
         ("Answer: I think it's B", "B"),  # "I" is not one of the four letters
         ("I pick (B).", "B"),
         ("answer: (c)", "C"),
+        ("The answer is B, since option A describes something else", "B"),  # the letter opening the answer
+        ("Answer: B, not option C", "B"),
+        ("The answer is B; (a) is a common misconception.", "B"),
+        ("Answer: B. Choice (C) is close but wrong", "B"),
+        ("The answer is b.", "B"),  # a lone lower-case letter is the answer
+        ("Answer: c", "C"),
     ],
 )
 def test_extract_letter(text: str, expected: str | None) -> None:
@@ -145,6 +162,27 @@ def test_python_tests_pass_and_fail_on_behaviour() -> None:
 def test_a_wrong_answer_cannot_pass_by_exiting_before_the_items_tests(main_block: str, why: str) -> None:
     it = item(scorer="python_tests", tests="assert is_even(7) is False\n", entry_point="is_even")
     assert not score(it, f"```python\ndef is_even(n):\n    return True\n{main_block}\n```").correct, why
+
+
+@pytest.mark.parametrize(("tests", "why"), [
+    ("import unittest\nclass T(unittest.TestCase):\n    def test(self):\n        self.assertFalse(is_even(7))\n"
+     "unittest.main()\n", "the tests end the program themselves (exit 0)"),
+    ("import doctest\nassert doctest.testmod().failed == 0\nassert not is_even(7)\n",
+     "doctest.testmod() reads the answer's docstrings"),
+    ("import pickle\nassert pickle.loads(pickle.dumps(Parity.EVEN)) is Parity.EVEN\nassert is_even(2)\n",
+     "what the answer defines pickles"),
+    ("from concurrent.futures import ProcessPoolExecutor\nwith ProcessPoolExecutor(2) as pool:\n"
+     "    assert list(pool.map(is_even, [1, 2])) == [False, True]\n", "a process pool runs the answer's code"),
+])
+def test_items_tests_run_as_they_were_written(tests: str, why: str) -> None:
+    answer = ("```python\nimport enum\n\nclass Parity(enum.Enum):\n    EVEN = 0\n\ndef is_even(n):\n"
+              "    \"\"\"\n    >>> is_even(4)\n    True\n    \"\"\"\n    return n % 2 == 0\n```")
+    wrong = answer.replace(">>> is_even(4)", ">>> is_even(3)").replace("return n % 2 == 0", "return True")
+    it = item(scorer="python_tests", tests=tests, entry_point="is_even")
+    result = score(it, answer)
+    assert result.correct, (why, result.detail)
+    if "is_even(7)" in tests:
+        assert not score(it, wrong).correct, why
 
 
 def test_exiting_0_while_loading_is_not_a_pass() -> None:
