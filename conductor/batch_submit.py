@@ -99,10 +99,21 @@ def progress_bar(batch: dict[str, Any]) -> str:
             f"({counts['failed']} failed) {batch['status']}")
 
 
-def write_results(client: httpx.Client, batch: dict[str, Any], results: Path) -> tuple[int, int]:
+def write_results(client: httpx.Client, batch: dict[str, Any], results: Path, *, out: TextIO = sys.stderr,
+                  patience_s: float = PATIENCE_S, retry_s: float = POLL_BACKOFF_MAX_S / 2) -> tuple[int, int]:
     """Writes every line's result, in input order (``GET /v1/batches/{id}/results``), to ``results``;
-    returns (succeeded, failed)."""
-    text = _send(lambda: client.get(f"/v1/batches/{batch['id']}/results")).text
+    returns (succeeded, failed). A failing API is asked again as ``wait`` polls it."""
+    started = time.monotonic()
+    while True:
+        try:
+            text = _send(lambda: client.get(f"/v1/batches/{batch['id']}/results")).text
+            break
+        except Transient as exc:
+            if time.monotonic() - started > patience_s:
+                raise BatchSubmitError(f"{exc}; gave up after {patience_s:g}s of failed tries") from exc
+            out.write(f"batch {batch['id']}: {exc}; asking for its results again\n")
+            out.flush()
+            time.sleep(retry_s)
     lines = [line for line in jsonl_lines(text) if line.strip()]
     failed = sum(1 for line in lines if json.loads(line).get("error") is not None)
     try:

@@ -39,9 +39,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"conductor: {exc}", file=sys.stderr)
         return 1
     except DBAPIError as exc:
-        print(f"conductor: {_database_problem(exc)}", file=sys.stderr)
+        if os.environ.get("CONDUCTOR_DEBUG"):
+            raise
+        print(f"conductor: {_database_problem(exc)} (CONDUCTOR_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
-    except (ArgumentError, NoSuchModuleError) as exc:  # the URL itself
+    except (ArgumentError, NoSuchModuleError) as exc:
+        if os.environ.get("CONDUCTOR_DEBUG") or not _is_url_problem(exc):
+            raise
         print(f"conductor: CONDUCTOR_DATABASE_URL is not a URL the store can use ({exc}); use "
               "postgresql+psycopg://USER@HOST:5432/DB or sqlite:///PATH", file=sys.stderr)
         return 1
@@ -298,15 +302,21 @@ def _planner_serve(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import OperationalError
-
     from conductor.migrations.migrate import upgrade
 
     url = get_settings().database_url
     try:
         upgrade(url)
     except OperationalError as exc:
+        if os.environ.get("CONDUCTOR_DEBUG"):
+            raise
         raise CliError(f"cannot reach the database ({exc.orig}); check CONDUCTOR_DATABASE_URL") from exc
+    except DBAPIError as exc:  # not "run conductor migrate": this is it
+        if os.environ.get("CONDUCTOR_DEBUG"):
+            raise
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+        raise CliError(f"the migration failed ({reason}); fix that and run it again "
+                       "(CONDUCTOR_DEBUG=1 conductor migrate shows the traceback)") from exc
     print("database is at the latest revision")
     return 0
 
@@ -745,16 +755,30 @@ RECONCILE_PROBLEMS = {
 }
 
 
+SCHEMA_BEHIND = {"42P01": "table", "42703": "column"}
+"""SQLSTATEs of a statement naming what the schema lacks (undefined table, undefined column)."""
+
+
 def _database_problem(exc: DBAPIError) -> str:
     """A database error as one line saying what to do: never its SQL parameters (they can hold secrets)."""
     where = _safe_url(get_settings().database_url)
-    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
-    if "no such table" in reason or ("relation" in reason and "does not exist" in reason):
-        return f"the database at {where} has no Conductor Queue tables yet ({reason}): run `conductor migrate`"
-    if isinstance(exc, OperationalError):
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None and str(exc.orig).strip() else ""
+    reason = reason or type(exc.orig or exc).__name__
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    if code in SCHEMA_BEHIND or reason.startswith(("no such table", "no such column")):
+        return f"the database at {where} lacks Conductor Queue's schema ({reason}): run `conductor migrate`"
+    if code == "42501":
+        return (f"the database at {where} refused this user ({reason}): grant it the privileges it needs "
+                "(to migrate: CREATE on the schema)")
+    if isinstance(exc, OperationalError):  # the connection, the login, the server's limits or timeouts
         return (f"cannot use the database at {where} ({reason}): check that it is up and that "
-                "CONDUCTOR_DATABASE_URL names it")
-    return f"the database at {where} refused a statement ({reason}); `conductor migrate` brings it up to date"
+                "CONDUCTOR_DATABASE_URL names it, with a user that may log in")
+    return f"the database at {where} refused a statement ({type(exc.orig or exc).__name__}: {reason})"
+
+
+def _is_url_problem(exc: Exception) -> bool:
+    """An ArgumentError / NoSuchModuleError about the database URL itself, not other misuse."""
+    return isinstance(exc, NoSuchModuleError) or "URL" in str(exc)
 
 
 def _safe_url(url: str) -> str:

@@ -8,6 +8,7 @@ models (``openai.types``). Conductor's extensions are named ``conductor`` and do
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -298,11 +299,15 @@ class BatchList(BaseModel):
     has_more: bool
 
 
+_JSONL_BREAK = re.compile(r"\r\n|\r|\n")
+
+
 def jsonl_lines(text: str) -> list[str]:
-    """A JSONL text's lines: split at "\n" only (a "\r" before it dropped). ``str.splitlines`` also splits
-    at U+2028, U+2029 and U+0085, which a JSON string may hold unescaped (``JSON.stringify`` leaves them,
-    and so does a batch's output of an answer containing them)."""
-    return [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")]
+    """A JSONL text's lines, ended by "\n", "\r\n" or "\r" (JSON strings cannot hold those unescaped)
+    and by nothing else: ``str.splitlines`` also splits at U+2028, U+2029 and U+0085, which a JSON string
+    may hold unescaped (``JSON.stringify`` leaves them, and so does a batch's output of an answer)."""
+    lines = _JSONL_BREAK.split(text)
+    return lines[:-1] if lines and lines[-1] == "" else lines
 
 
 # --- batch output files -----------------------------------------------------------------------------

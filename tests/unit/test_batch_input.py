@@ -25,12 +25,12 @@ def test_lines_keep_their_numbers_and_blank_lines_are_skipped() -> None:
 
 def test_lines_end_at_newlines_only() -> None:
     # U+2028/U+2029/U+0085 may stand unescaped in a JSON string (JSON.stringify, ensure_ascii=False);
-    # str.splitlines cut such a line in two. CRLF line ends are fine.
+    # str.splitlines cut such a line in two. CRLF and CR line ends are line ends.
     task = "first\u2028second\u2029third\u0085fourth"
     content = (json.dumps({"custom_id": "a", "body": {"task": task}}, ensure_ascii=False) + "\r\n"
-               + json.dumps({"custom_id": "b"}) + "\r\n").encode()
+               + json.dumps({"custom_id": "b"}) + "\r" + json.dumps({"custom_id": "c"}) + "\n").encode()
     lines = parse_input(content, SETTINGS)
-    assert [(x.line, x.custom_id) for x in lines] == [(1, "a"), (2, "b")]
+    assert [(x.line, x.custom_id) for x in lines] == [(1, "a"), (2, "b"), (3, "c")]
     assert lines[0].request["body"]["task"] == task
 
 

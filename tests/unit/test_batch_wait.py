@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from conductor.batch_submit import BatchSubmitError, wait
+from conductor.batch_submit import BatchSubmitError, wait, write_results
 
 COUNTS = {"total": 2, "completed": 0, "failed": 0}
 
@@ -51,3 +52,14 @@ def test_a_wait_gives_up_after_its_patience_and_a_client_error_at_once() -> None
     with api(iter([httpx.Response(404, json={"error": {"message": "No such Batch object: batch_1"}})])) as client, \
             pytest.raises(BatchSubmitError, match="API answered 404: No such Batch object"):
         wait(client, "batch_1", out=io.StringIO(), poll_s=0.001)
+
+
+def test_the_results_are_asked_for_again_after_a_failure(tmp_path: Path) -> None:
+    lines = ('{"custom_id": "a", "response": {"status_code": 200}, "error": null}\n'
+             '{"custom_id": "b", "response": null, "error": {"code": "batch_cancelled"}}\n')
+    answers = iter([httpx.Response(502, text="bad gateway"), httpx.Response(200, text=lines)])
+    out, target = io.StringIO(), tmp_path / "results.jsonl"
+    with api(answers) as client:
+        assert write_results(client, {"id": "batch_1"}, target, out=out, retry_s=0.001) == (1, 1)
+    assert target.read_text() == lines
+    assert "API answered 502: bad gateway; asking for its results again" in out.getvalue()
