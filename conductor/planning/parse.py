@@ -64,44 +64,92 @@ def _expected() -> str:
 
 
 def _strip_think(text: str) -> tuple[str, bool]:
-    """The text after the reasoning block, and whether that block was left open.
+    """The text without its reasoning blocks, and whether the last one was left open.
 
-    Some chat templates put ``<think>`` into the prompt, so the answer starts inside the block and
-    only the closing tag appears in the output.
+    Every ``<think>…</think>`` block is dropped wherever it stands (a draft workflow inside one is not the
+    answer). Some chat templates put ``<think>`` into the prompt, so the answer starts inside the block and
+    only the closing tag appears in the output: everything before a first ``</think>`` that has no
+    ``<think>`` before it is reasoning too. A block left open keeps its text (a model that never closes
+    it may still have written its answer there); the caller says so if nothing readable is found.
     """
-    stripped = text.lstrip()
-    if stripped.startswith(_THINK_OPEN):
-        close = stripped.find(_THINK_CLOSE)
-        if close == -1:
-            return stripped[len(_THINK_OPEN) :], True
-        return stripped[close + len(_THINK_CLOSE) :], False
     close = text.find(_THINK_CLOSE)
-    if close != -1 and _THINK_OPEN not in text[:close]:
-        return text[close + len(_THINK_CLOSE) :], False
-    return text, False
+    opening = text.find(_THINK_OPEN)
+    if close != -1 and (opening == -1 or opening > close):
+        text = text[close + len(_THINK_CLOSE) :]
+    kept: list[str] = []
+    i = 0
+    while True:
+        opening = text.find(_THINK_OPEN, i)
+        if opening == -1:
+            kept.append(text[i:])
+            return "".join(kept), False
+        kept.append(text[i:opening])
+        close = text.find(_THINK_CLOSE, opening)
+        if close == -1:
+            return "".join(kept) + text[opening + len(_THINK_OPEN) :], True
+        i = close + len(_THINK_CLOSE)
 
 
 def _find_lists(body: str) -> dict[str, list[Any]]:
-    """The first readable list after each name, skipping names that occur inside a list already read."""
+    """The three lists from one place: the last JSON object in ``body`` holding all three keys; else each
+    name followed by ``=`` or ``:`` and a list (the research model's Python lists), skipping names inside a
+    list already read. A name's first list must be readable, and a later different list of the same name
+    is refused: a workflow is never pieced together from a draft and prose."""
+    whole = _json_workflow(body)
+    if whole is not None:
+        return whole
     found: dict[str, list[Any]] = {}
     problems: dict[str, str] = {}
     taken: list[tuple[int, int]] = []
     for match in _LIST_NAME_RE.finditer(body):
         name, start = match.group(1), match.end()
-        if name in found or any(lo <= match.start() < hi for lo, hi in taken):
+        if any(lo <= match.start() < hi for lo, hi in taken):
             continue
         try:
             end = _list_end(body, start, name)
-            found[name] = _read_literal(body[start:end], name)
+            value = _read_literal(body[start:end], name)
         except PlannerFormatError as exc:
-            problems.setdefault(name, str(exc))
+            if name not in found:
+                problems.setdefault(name, str(exc))
             continue
         taken.append((start, end))
-    missing = [name for name in LIST_NAMES if name not in found]
+        if name in problems:
+            continue  # its first list was unreadable: that is what the model is told to fix
+        if name in found and value != found[name]:
+            raise PlannerFormatError(
+                f"{name} is given twice, differently ({_preview(repr(found[name]))} and {_preview(repr(value))});"
+                " give exactly one workflow"
+            )
+        found.setdefault(name, value)
+    missing = [name for name in LIST_NAMES if name not in found or name in problems]
     if missing:
         reasons = [problems.get(name, f"no {name} list found") for name in missing]
         raise PlannerFormatError("; ".join(reasons) + f" (expected {_expected()})")
     return {name: found[name] for name in LIST_NAMES}
+
+
+def _json_workflow(body: str) -> dict[str, list[Any]] | None:
+    """The last JSON object in ``body`` whose three keys are all present (values judged later)."""
+    decoder = json.JSONDecoder(strict=False)
+    last: dict[str, Any] | None = None
+    i = body.find("{")
+    while i != -1:
+        try:
+            value, end = decoder.raw_decode(body, i)
+        except (ValueError, RecursionError):
+            i = body.find("{", i + 1)
+            continue
+        if isinstance(value, dict) and all(name in value for name in LIST_NAMES):
+            last = value
+            i = body.find("{", end)
+        else:
+            i = body.find("{", i + 1)
+    if last is None:
+        return None
+    for name in LIST_NAMES:
+        if not isinstance(last[name], list):
+            raise PlannerFormatError(f"{name} is not a list (found {_preview(json.dumps(last[name]))!r})")
+    return {name: last[name] for name in LIST_NAMES}
 
 
 def _list_end(text: str, start: int, name: str) -> int:

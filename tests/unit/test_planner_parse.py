@@ -71,9 +71,40 @@ def test_single_quoted_strings_with_escapes_and_brackets_inside() -> None:
 def test_trailing_prose_after_the_lists_is_ignored() -> None:
     text = (
         "model_ids = [0]\nsubtasks = ['Answer: what is 2+2?']\naccess_lists = [[]]\n\n"
-        "This workflow uses one step because the question is easy; model_ids = [9] would be wrong."
+        "This workflow uses one step because the question is easy: model_ids = [0] is enough."
     )
     assert parse(text)["model_ids"] == ["gpt-5"]
+
+
+def test_a_list_given_twice_differently_is_refused_not_guessed() -> None:
+    # which one the model meant is not knowable: re-asked, never pieced together from a draft and prose
+    text = "model_ids = [0]\nsubtasks = ['x']\naccess_lists = [[]]\nOr else model_ids = [9] could work."
+    with pytest.raises(PlannerFormatError, match="model_ids is given twice, differently"):
+        parse(text)
+
+
+def test_the_last_complete_json_object_is_the_workflow_not_a_list_in_the_prose_before_it() -> None:
+    real = {"model_ids": ["gpt-5", "qwen3-32b"], "subtasks": ["solve", "check"], "access_lists": [[], [0]]}
+    text = "I first thought of access_lists: [[], []] but chose\n" + json.dumps(real)
+    assert parse(text) == real
+    draft = {"model_ids": ["qwen3-32b"], "subtasks": ["DRAFT"], "access_lists": [[]]}
+    assert parse(f"Draft: {json.dumps(draft)}\nFinal:\n```json\n{json.dumps(real)}\n```") == real
+
+
+def test_an_unreadable_list_is_not_replaced_by_a_later_one_in_the_prose() -> None:
+    text = ('{"model_ids":["gpt-5","gpt-5"],"subtasks":["x","y"],"access_lists":[[],all]}\n'
+            "Alternatively one could use access_lists = [[], []].")
+    with pytest.raises(PlannerFormatError, match="access_lists is not a valid list literal"):
+        parse(text)
+
+
+@pytest.mark.parametrize("text", [
+    'Sure.\n<think>model_ids = [2]\nsubtasks = ["DRAFT"]\naccess_lists = [[]] -- no, two steps.</think>\n{REAL}',
+    '<think>ok</think>\n<think>{{"model_ids": [2], "subtasks": ["DRAFT"], "access_lists": [[]]}}</think>\n{REAL}',
+])
+def test_drafts_inside_any_think_block_are_not_the_workflow(text: str) -> None:
+    real = {"model_ids": ["gpt-5", "qwen3-32b"], "subtasks": ["solve", "check"], "access_lists": [[], [0]]}
+    assert parse(text.replace("{REAL}", json.dumps(real)).replace("{{", "{").replace("}}", "}")) == real
 
 
 def test_think_opened_by_the_chat_template_only_closing_tag_in_output() -> None:

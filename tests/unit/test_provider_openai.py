@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conductor.pool.base import CallOptions, Message
+from conductor.pool.base import CallOptions, Message, storable_text
 from conductor.pool.config import AgentConfig, load_pool
 from conductor.pool.errors import (
     AuthError,
@@ -106,6 +106,14 @@ def test_a_refusal_is_its_text_with_finish_reason_content_filter(server: FakeOpe
     assert completion.text == "I can't help with that."
     assert completion.finish_reason == "content_filter"
     assert (completion.input_tokens, completion.output_tokens) == (9, 6)
+
+
+def test_text_the_store_cannot_hold_is_made_storable(server: FakeOpenAIServer) -> None:
+    # a model can emit NUL (and a compatible server an unpaired surrogate); Postgres text holds neither,
+    # and recording the step failed at the database, re-running it until its job failed as a lost worker
+    server.script(ok("a\u0000b"))
+    assert make_provider(server).complete(MESSAGES, CallOptions()).text == "a\ufffdb"
+    assert storable_text("x\ud83dy") == "x?y" and storable_text("plain \u00e9") == "plain \u00e9"
 
 
 def test_messages_model_and_temperature_go_on_the_wire_unchanged(server: FakeOpenAIServer) -> None:

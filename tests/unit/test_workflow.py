@@ -91,6 +91,13 @@ def test_bad_types_and_blank_instruction_are_all_reported() -> None:
     assert ("workflow", "steps", 1) in locs
 
 
+@pytest.mark.parametrize("blank", ["\u200b\u2060", " \ufeff\t", "\u200d\n"])
+def test_an_instruction_of_invisible_characters_is_blank(blank: str) -> None:
+    # str.strip keeps zero-width spaces and joiners: a worker would be sent an instruction it cannot see
+    [(loc, msg)] = errors_of(lists(["a"], [[]]) | {"subtasks": [blank]})
+    assert loc == ("workflow", "steps", 0, "instruction") and "non-empty" in msg
+
+
 def test_instruction_length_limit() -> None:
     [(_, msg)] = errors_of(lists(["a"], [[]]) | {"subtasks": ["x" * 50]}, max_instruction_chars=10)
     assert "50 characters; at most 10" in msg
