@@ -57,7 +57,8 @@ def planner_prompt(job: Job, settings: Settings) -> list[dict[str, str]]:
     max_steps, max_depth = job_limits(job, settings)
     context = [Message(m["role"], m["content"]) for m in (job.context or [])] or None
     messages = build_planner_messages(
-        job.task, pool, max_steps=max_steps, allow_conductor=job.depth < max_depth, context=context
+        job.task, pool, max_steps=max_steps, allow_conductor=job.depth < max_depth, context=context,
+        nested=job.depth > 0,
     )
     return [m.as_dict() for m in messages]
 

@@ -33,6 +33,7 @@ def plan_with_model(
     allow_conductor: bool,
     fallback: Callable[[], Workflow],
     context: list[Message] | None = None,
+    nested: bool = False,
     max_tokens: int = PLANNER_MAX_TOKENS,
     timeout_s: float = CallOptions.timeout_s,
     usage: PlannerUsage | None = None,
@@ -52,7 +53,7 @@ def plan_with_model(
         json_schema=workflow_json_schema(pool, max_steps, allow_conductor) if use_schema else None,
     )
     messages = build_planner_messages(
-        task, pool, max_steps=max_steps, allow_conductor=allow_conductor, context=context
+        task, pool, max_steps=max_steps, allow_conductor=allow_conductor, context=context, nested=nested
     )
     usage = usage if usage is not None else PlannerUsage()  # the caller's, to add to across its retries
 

@@ -45,11 +45,21 @@ def make_plan(job: Job, *, settings: Settings) -> PlanResult:
     max_steps, max_depth = job_limits(job, settings)
     allow_conductor = job.depth < max_depth
     if job.request_workflow is not None:
+        raw = used_fields(job.request_workflow)
+        max_chars = settings.max_instruction_chars
+        if job.replay_of is not None and not job.replay_replan:
+            # the original's workflow, accepted by the replay under the limits it ran with: limits lowered
+            # since (CONDUCTOR_MAX_STEPS, the instruction length) must not fail the replay after its 202
+            steps = raw.get("steps") if isinstance(raw, dict) else None
+            if isinstance(steps, list):
+                max_steps = max(max_steps, len(steps))
+                max_chars = max([max_chars, *(len(st.get("instruction") or "") for st in steps
+                                              if isinstance(st, dict) and isinstance(st.get("instruction"), str))])
         wf = parse_workflow(
-            used_fields(job.request_workflow),
+            raw,
             agents=pool.worker_names,
             max_steps=max_steps,
-            max_instruction_chars=settings.max_instruction_chars,
+            max_instruction_chars=max_chars,
             allow_conductor=allow_conductor,
         )
         return PlanResult(workflow=wf, source="request", format_valid=True, planner="request")
@@ -88,6 +98,7 @@ def _plan_with_agent(
                 allow_conductor=allow_conductor,
                 fallback=fallback,
                 context=context or None,
+                nested=job.depth > 0,
                 max_tokens=min(config.max_tokens, 4096),
                 timeout_s=settings.provider_timeout_s,
                 usage=spent,

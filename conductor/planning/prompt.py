@@ -56,13 +56,16 @@ def build_planner_messages(
     max_steps: int,
     allow_conductor: bool,
     context: list[Message] | None = None,
+    nested: bool = False,
 ) -> list[Message]:
-    """The static system prompt for ``pool``, then one user message with everything job-specific."""
+    """The static system prompt for ``pool``, then one user message with everything job-specific.
+    ``context``: a recursive step's visible earlier work (``nested``), or a chat's earlier turns."""
     return [
         Message(role="system", content=system_prompt(pool)),
         Message(
             role="user",
-            content=_request(task, max_steps=max_steps, allow_conductor=allow_conductor, context=context),
+            content=_request(task, max_steps=max_steps, allow_conductor=allow_conductor, context=context,
+                             nested=nested),
         ),
     ]
 
@@ -180,13 +183,21 @@ def _example(title: str, task: str, workflow: dict[str, Any]) -> str:
     return f"{title}\nTask: {task}\n{json.dumps(workflow, ensure_ascii=False)}"
 
 
-def _request(task: str, *, max_steps: int, allow_conductor: bool, context: list[Message] | None) -> str:
+def _request(task: str, *, max_steps: int, allow_conductor: bool, context: list[Message] | None,
+             nested: bool = False) -> str:
     parts: list[str] = []
-    if context:
+    if context and nested:
         parts.append(
             "You were called as a step of a larger workflow. The earlier work you may see, oldest first:\n\n"
             + "\n\n".join(_context_turn(m) for m in context)
-            + "\n\nCheck or correct that work, or answer directly with a single step."
+            + "\n\nCheck or correct that work, or answer directly with a single step. Every step of your "
+            "workflow is shown this earlier work too, whatever its access list."
+        )
+    elif context:
+        parts.append(
+            "The conversation so far, oldest first:\n\n"
+            + "\n\n".join(_context_turn(m) for m in context)
+            + "\n\nEvery step of your workflow is shown this conversation too, whatever its access list."
         )
     parts.append(f"Task:\n{task}")
     if allow_conductor:

@@ -247,6 +247,17 @@ def test_the_request_carries_task_context_limits_and_recursion_permission() -> N
     assert 'You may choose "conductor"' in allowed
 
 
+def test_the_request_says_what_its_context_is_and_that_every_step_sees_it() -> None:
+    context = [Message("user", "Implement is_prime."), Message("assistant", "def is_prime(n): ...")]
+    child = build_planner_messages("Check it.", make_pool(), max_steps=3, allow_conductor=False, context=context,
+                                   nested=True)[-1].content
+    chat = build_planner_messages("And now in Go?", make_pool(), max_steps=3, allow_conductor=False,
+                                  context=context)[-1].content
+    assert "called as a step of a larger workflow" in child and "larger workflow" not in chat
+    assert chat.startswith("The conversation so far")  # a chat's earlier turns are not a parent's work
+    assert all("Every step of your workflow is shown this" in text for text in (child, chat))
+
+
 def test_reask_message_quotes_the_error() -> None:
     message = build_reask_message("workflow.steps.1.agent: unknown agent 'x'")
     assert message.role == "user"
@@ -329,7 +340,7 @@ def test_a_call_that_answered_before_a_retried_error_is_still_counted(monkeypatc
     monkeypatch.setattr(planner_module, "provider_for", lambda _name, _config: provider)  # the network edge
     monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_BASE_S", "0")
     monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_MAX_S", "0")
-    job: Any = SimpleNamespace(task="write a haiku", context=None)
+    job: Any = SimpleNamespace(task="write a haiku", context=None, depth=0)
     result = planner_module._plan_with_agent(job, make_pool(), "planner-llm", Settings(), max_steps=5,
                                              allow_conductor=True)
     assert result.source == "planner" and len(provider.calls) == 3

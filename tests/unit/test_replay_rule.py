@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from conductor.planning.planner import make_plan
+from conductor.pool.config import load_pool
 from conductor.replay import reusable
-from conductor.store.models import Step, StepStatus
-from conductor.workflow import Workflow
+from conductor.settings import Settings
+from conductor.store.models import Job, Step, StepStatus
+from conductor.workflow import Workflow, WorkflowError
+from tests.conftest import TESTS
 
 
 def workflow(agents: list[str], access: list[Any]) -> Workflow:
@@ -64,3 +70,17 @@ def test_an_agent_whose_pool_entry_changed_runs_again() -> None:
 def test_a_replanned_workflow_reuses_only_matching_steps() -> None:
     after = workflow(["a", "b", "c"], [[], [0], [0]])  # step 2 reads [0] now, not [0, 1]
     assert sorted(reusable(after, original(BEFORE), from_step=4, unchanged_agent=lambda _: True)) == [0, 1]
+
+
+def test_a_replay_plans_the_original_workflow_under_the_limits_it_was_accepted_with() -> None:
+    # accepted (202) with the original's own size; the server's limits lowered since must not fail it later
+    pool = load_pool(TESTS / "pools" / "sim.yaml").model_dump(mode="json")
+    steps = [{"agent": "a", "instruction": "x" * 30, "access_list": list(range(i))} for i in range(6)]
+    settings = Settings(max_steps=5, max_instruction_chars=20)
+    replay = Job(id="r" * 32, tenant="t", task="t", planner="conductor", pool_config=pool,
+                 request_workflow={"steps": steps}, replay_of="o" * 32, replay_replan=False)
+    assert len(make_plan(replay, settings=settings).workflow.steps) == 6
+    fresh = Job(id="f" * 32, tenant="t", task="t", planner="conductor", pool_config=pool,
+                request_workflow={"steps": steps})
+    with pytest.raises(WorkflowError):  # a new job still meets today's limits
+        make_plan(fresh, settings=settings)
