@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 LOCAL_STAMP := $(VENV)/.installed-local
-# `make demo`: a real job on the local CPU model (override: make demo DEMO_POOL=research DEMO_TASK="...").
+# `make demo`: a real job on the local CPU model (override: make demo DEMO_POOL=local-gemma DEMO_TASK="...";
+# with provider keys set, `conductor run "TASK"` without --pool runs on the hosted models whose keys are set).
 DEMO_POOL ?= local
 DEMO_TASK ?= Write a Python function is_palindrome(s) that ignores case and punctuation, with two doctest examples.
 export CONDUCTOR_TEST_DATABASE_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/conductor_test

@@ -9,6 +9,7 @@ retries and the trace are exactly the ones a production worker runs against Post
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -160,15 +161,50 @@ def _wake_to_stop(app: Any) -> None:
 # --- pool choice and the local model ----------------------------------------------------------------
 
 
-def default_pool(settings: Settings | None = None) -> tuple[str, str]:
-    """(pool, why): the configured CONDUCTOR_POOL_FILE if set; else the research pool when a provider
-    key is set; else the local CPU model (a fresh machine with nothing configured)."""
+def default_pool(settings: Settings | None = None, data_dir: Path | None = None) -> tuple[str, str]:
+    """(pool, why): the configured CONDUCTOR_POOL_FILE if set; else, when a provider key is set, the
+    hosted models whose keys are set (``hosted_pool``); else the local CPU model (a fresh machine with
+    nothing configured)."""
     if settings is not None and "pool_file" in settings.model_fields_set:
         return str(settings.pool_file), "CONDUCTOR_POOL_FILE"
     keys = [k for k in KEY_ENV_VARS if os.environ.get(k)]
     if keys:
-        return "research", f"{', '.join(keys)} set"
+        directory = (data_dir or (settings or get_settings()).data_dir).expanduser()
+        return str(hosted_pool(directory, keys)), f"{', '.join(keys)} set"
     return "local", "no OPENAI_API_KEY / ANTHROPIC_API_KEY / GEMINI_API_KEY set"
+
+
+HOSTED_AGENTS = ("gpt-5", "claude-sonnet-4", "gemini-2.5-pro")
+"""The research pool's hosted models, in the order the first keyed one is chosen to plan."""
+
+
+def hosted_pool(directory: Path, keys: list[str]) -> Path:
+    """Writes ``<directory>/pools/hosted.yaml``: the research pool's hosted models whose keys are set, the
+    first of them also planning (as agent ``<name>-planner``, so it still runs steps), ``template:single``
+    as the fallback. The research pool itself plans with the Conductor model on a GPU node
+    (``http://planner:8000``) and has open models behind vLLM: reachable inside its deployment only."""
+    import yaml
+
+    from conductor.pool.config import load_pool
+    from conductor.settings import SHIPPED_POOLS_DIR
+
+    research = load_pool(SHIPPED_POOLS_DIR / "research.yaml")
+    agents = {name: research.agents[name].model_dump(mode="json", exclude_unset=True) for name in HOSTED_AGENTS
+              if name in research.agents and research.agents[name].api_key_env in keys}
+    if not agents:
+        raise EmbeddedError(f"none of the research pool's hosted models uses {', '.join(keys)}; "
+                            "choose a pool with --pool")
+    first = next(iter(agents))
+    planner = f"{first}-planner"
+    pool = {"planner": planner, "fallback": "template:single",
+            "agents": {planner: {**agents[first], "description": f"{first}, writing the workflow"}, **agents}}
+    pool = json.loads(json.dumps(pool))  # no shared objects: YAML would write them as anchors
+    target = directory / "pools" / "hosted.yaml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    header = (f"# Written by `conductor run` from the keys set ({', '.join(keys)}): the research pool's hosted "
+              "models\n# with those keys; the first plans. Rewritten at every run without --pool.\n")
+    target.write_text(header + yaml.safe_dump(pool, sort_keys=False), encoding="utf-8")
+    return target
 
 
 def preflight(pool: Any, err: TextIO) -> None:
@@ -411,7 +447,7 @@ def embedded_session(pool: str | None, *, data_dir: Path | None, err: TextIO) ->
     directory = prepare_data_dir(data_dir or get_settings().data_dir)
     settings = use_store(directory, embedded_broker=True)
     if pool is None:
-        pool, why = default_pool(settings)
+        pool, why = default_pool(settings, directory)
         print(f"pool: {pool} ({why}; choose one with --pool)", file=err)
     settings, pool_config = _resolve_pool(pool, settings)
     if pool_config.name == "local" or all(a.provider == "local" for a in pool_config.agents.values()):
@@ -437,7 +473,8 @@ def _local_models_note(pool: Any) -> str:
         if a.provider == "local"
     )
     return (f"this pool runs {', '.join(names)} on this CPU: a small model, fine for short tasks, weak on hard "
-            "ones. For real work use --pool research (with provider keys) or your own pool file.")
+            "ones. For real work set a provider key (OPENAI_API_KEY, ANTHROPIC_API_KEY, GEMINI_API_KEY) and run "
+            "without --pool, or use your own pool file.")
 
 
 def _resolve_pool(pool: str, settings: Settings) -> tuple[Settings, Any]:

@@ -19,7 +19,7 @@ def with_planner_temperature(pool: str | None, temperature: float, *, tag: str, 
     from conductor.submission import pools_dirs
 
     settings = get_settings()
-    name = pool if pool is not None else default_pool(settings)[0]
+    name = pool if pool is not None else default_pool(settings, data_dir)[0]
     path = resolve_pool_path(name, default_file=settings.pool_file, pools_dirs=pools_dirs(settings, local=True),
                              allow_path=True)
     config = load_pool(path)

@@ -300,19 +300,48 @@ def test_unknown_planner_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("keys", "pool"),
-    [({}, "local"), ({"OPENAI_API_KEY": "sk-x"}, "research"), ({"GEMINI_API_KEY": "g"}, "research")],
+    ("keys", "planner", "workers"),
+    [({"OPENAI_API_KEY": "sk-x"}, "gpt-5-planner", ["gpt-5"]),
+     ({"GEMINI_API_KEY": "g", "ANTHROPIC_API_KEY": "a"}, "claude-sonnet-4-planner",
+      ["claude-sonnet-4", "gemini-2.5-pro"])],
 )
-def test_default_pool_is_research_only_with_a_provider_key(
-    monkeypatch: pytest.MonkeyPatch, keys: dict[str, str], pool: str
+def test_with_provider_keys_the_default_pool_is_the_hosted_models_with_those_keys(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, keys: dict[str, str], planner: str, workers: list[str]
 ) -> None:
+    # the research pool plans on a GPU node (http://planner:8000) and has open models behind vLLM: outside
+    # its deployment a job on it failed with one key set (the fallback put a step on a model without one)
     from conductor.embedded import default_pool
+    from conductor.pool.config import load_pool
 
     for var in KEY_VARS:
         monkeypatch.delenv(var, raising=False)
+    assert default_pool(data_dir=tmp_path)[0] == "local"
     for var, value in keys.items():
         monkeypatch.setenv(var, value)
-    assert default_pool()[0] == pool
+    path, why = default_pool(data_dir=tmp_path)
+    pool = load_pool(Path(path))
+    assert (pool.name, pool.planner, pool.worker_names) == ("hosted", planner, workers)
+    assert all(var in why for var in keys)
+
+
+def test_a_run_with_one_provider_key_plans_and_answers_with_that_provider(tmp_path: Path) -> None:
+    """The real ``openai`` SDK, pointed at a loopback server by its own OPENAI_BASE_URL, as a user with
+    only an OpenAI key runs ``conductor run``."""
+    from tests.fakes.openai_server import FakeOpenAIServer
+
+    workflow = json.dumps({"model_ids": ["gpt-5"], "subtasks": ["Multiply and answer."], "access_lists": [[]]})
+    with FakeOpenAIServer(api_key="sk-test") as server:
+        server.reply_with(lambda body: workflow if body.get("response_format") else "Answer: 42")
+        result = conductor("run", "What is 6 times 7?", "--data-dir", str(tmp_path), cwd=tmp_path,
+                           OPENAI_API_KEY="sk-test", OPENAI_BASE_URL=server.base_url)
+        bodies = server.bodies
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "Answer: 42"
+    assert "pool: " in result.stderr and "hosted.yaml (OPENAI_API_KEY set" in result.stderr
+    job = only_job(tmp_path)
+    assert (job["status"], job["workflow_source"]) == ("succeeded", "planner")
+    assert [st["agent"] for st in steps_of(tmp_path, job["id"])] == ["gpt-5"]
+    assert [b["model"] for b in bodies] == ["gpt-5", "gpt-5"]  # the plan, then the step
 
 
 def test_recursive_conductor_steps_complete_on_sqlite(tmp_path: Path) -> None:
