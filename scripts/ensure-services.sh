@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Makes sure Postgres and Redis answer, at CONDUCTOR_TEST_* URLs or the local defaults.
+# Makes sure Postgres and Redis answer on 127.0.0.1:5432 and :6379, where the suite runs (some tests stop,
+# restart and use fixed Redis databases of that server; CONDUCTOR_TEST_* pick another database there).
 # If none answers and the server binaries exist locally, starts them; otherwise says what to do.
 set -uo pipefail
 
@@ -25,7 +26,7 @@ if ! pg_up; then
     pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start || true
     for _ in $(seq 1 30); do pg_up && break; sleep 1; done
   fi
-  pg_up || { echo "Postgres is not reachable on 127.0.0.1:5432: start it, or set CONDUCTOR_TEST_DATABASE_URL" >&2; exit 1; }
+  pg_up || { echo "Postgres is not reachable on 127.0.0.1:5432: start it (e.g. pg_ctlcluster --skip-systemctl-redirect VERSION main start); the suite needs it there" >&2; exit 1; }
 fi
 if ! redis_up; then
   if command -v redis-server >/dev/null 2>&1; then
@@ -35,6 +36,6 @@ if ! redis_up; then
       --dir /tmp/conductor-redis --logfile /tmp/conductor-redis/redis.log
     for _ in $(seq 1 30); do redis_up && break; sleep 0.5; done
   fi
-  redis_up || { echo "Redis is not reachable on 127.0.0.1:6379: start it, or set CONDUCTOR_TEST_BROKER_URL" >&2; exit 1; }
+  redis_up || { echo "Redis is not reachable on 127.0.0.1:6379: start it (redis-server --daemonize yes --port 6379); the suite needs it there" >&2; exit 1; }
 fi
 echo ">> Postgres and Redis answer"
