@@ -23,6 +23,7 @@ queued steps cannot starve the others. With one tenant active, nothing changes.
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from functools import lru_cache
@@ -36,6 +37,9 @@ from conductor.settings import get_settings
 
 KEY_PREFIX = "conductor:rl:"
 REDIS_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 64
+"""Connections a process's limiter opens at most; more callers at once wait for one (a call is one script)."""
+FAIRNESS_JITTER_S = 0.05
 """Connect and read timeout for the limiter's Redis: an unreachable limiter fails the attempt, not the worker."""
 
 # KEYS[1] bucket; ARGV: capacity, refill tokens per second, the longest wait the caller accepts (seconds).
@@ -152,11 +156,16 @@ class RateLimiter:
 
     def __init__(self, client: redis.Redis | None = None, *, url: str | None = None, prefix: str = KEY_PREFIX):
         if client is None:
-            client = redis.Redis.from_url(
+            # Blocking: past MAX_CONNECTIONS a caller waits for a free connection (up to REDIS_TIMEOUT_S)
+            # instead of failing; redis-py's plain pool raised MaxConnectionsError past 100, and a gevent
+            # worker has a thousand callers.
+            client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
                 url or get_settings().broker_url,
+                max_connections=MAX_CONNECTIONS,
+                timeout=REDIS_TIMEOUT_S,
                 socket_connect_timeout=REDIS_TIMEOUT_S,
                 socket_timeout=REDIS_TIMEOUT_S,
-            )
+            ))
         self.client = client
         self.prefix = prefix
         self._script = client.register_script(TOKEN_BUCKET_LUA)
@@ -164,6 +173,13 @@ class RateLimiter:
 
     def key(self, agent: str) -> str:
         return f"{self.prefix}{agent}"
+
+    def bucket(self, agent: str, rpm: int, capacity: int) -> str:
+        """An agent's bucket at one rate: callers with another rpm or burst for the same agent name (another
+        pool's agent, or jobs whose pool snapshot predates an edit) keep their own, instead of refilling and
+        capping one shared bucket each at its own rate (an rpm-60 caller behind an rpm-6000 backlog was
+        told its slot was minutes away)."""
+        return f"{agent}@{rpm}/{capacity}"
 
     def acquire(
         self, agent: str, rpm: int, *, timeout_s: float, burst: int | None = None, tenant: str | None = None
@@ -180,12 +196,14 @@ class RateLimiter:
         waited = 0.0
         while True:
             left = max(0.0, timeout_s - waited)
+            bucket = self.bucket(agent, rpm, capacity)
             if tenant is None:
-                granted, wait = self._take(agent, capacity=capacity, per_second=rpm / 60.0, max_wait=left)
+                granted, wait = self._take(bucket, capacity=capacity, per_second=rpm / 60.0, max_wait=left,
+                                           agent=agent)
                 fairness = False
             else:
                 granted, wait, fairness = self._take_fair(
-                    agent, tenant, capacity=capacity, per_second=rpm / 60.0, max_wait=left
+                    bucket, tenant, capacity=capacity, per_second=rpm / 60.0, max_wait=left, agent=agent
                 )
             if granted:
                 if wait > 0:
@@ -193,8 +211,11 @@ class RateLimiter:
                 return waited + wait
             if not fairness or wait > left:
                 raise RateLimitTimeout(agent, rpm, waited_needed=wait, timeout_s=timeout_s)
-            time.sleep(wait)  # this tenant is at its share: its own next slot comes due, then it asks again
-            waited += wait
+            # this tenant is at its share: its own next slot comes due, then it asks again; a little jitter
+            # keeps its waiters (all woken by the same slot) from asking at the same instant
+            pause = wait + random.uniform(0, min(FAIRNESS_JITTER_S, wait))
+            time.sleep(pause)
+            waited += pause
 
     def try_take(self, name: str, *, per_minute: int, burst: int | None = None) -> float:
         """Takes a token from bucket ``name`` if one is free now, without waiting: returns 0.0 when
@@ -202,18 +223,19 @@ class RateLimiter:
         granted, wait = self._take(name, capacity=burst or per_minute, per_second=per_minute / 60.0, max_wait=0.0)
         return 0.0 if granted else max(wait, 0.001)
 
-    def _take(self, agent: str, *, capacity: int, per_second: float, max_wait: float) -> tuple[bool, float]:
+    def _take(self, name: str, *, capacity: int, per_second: float, max_wait: float,
+              agent: str | None = None) -> tuple[bool, float]:
         try:
-            reply: Any = self._script(keys=[self.key(agent)], args=[capacity, repr(per_second), repr(max_wait)])
+            reply: Any = self._script(keys=[self.key(name)], args=[capacity, repr(per_second), repr(max_wait)])
         except redis.RedisError as exc:
-            raise _unavailable(agent, exc) from exc
+            raise _unavailable(agent or name, exc) from exc
         granted, wait_us = reply
         return bool(int(granted)), int(wait_us) / 1_000_000
 
     def _take_fair(
-        self, agent: str, tenant: str, *, capacity: int, per_second: float, max_wait: float
+        self, bucket: str, tenant: str, *, capacity: int, per_second: float, max_wait: float, agent: str
     ) -> tuple[bool, float, bool]:
-        keys = [self.key(agent), f"{self.key(agent)}:tenants", f"{self.key(agent)}:t:{tenant}"]
+        keys = [self.key(bucket), f"{self.key(bucket)}:tenants", f"{self.key(bucket)}:t:{tenant}"]
         args = [capacity, repr(per_second), repr(max_wait), tenant, uuid.uuid4().hex, repr(ACTIVE_WINDOW_S)]
         try:
             reply: Any = self._fair(keys=keys, args=args)

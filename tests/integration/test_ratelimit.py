@@ -8,6 +8,7 @@ immediate grants are then exact however slow the machine is. No test asserts a d
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 import redis
 
 from conductor.pool.errors import RetryableError
-from conductor.ratelimit import RateLimiter, RateLimiterUnavailable, RateLimitTimeout, get_limiter
+from conductor.ratelimit import MAX_CONNECTIONS, RateLimiter, RateLimiterUnavailable, RateLimitTimeout, get_limiter
 from conductor.settings import get_settings
 from tests.integration.harness import free_port
 
@@ -31,7 +32,8 @@ def agent() -> Iterator[str]:
     name = f"test-agent-{uuid.uuid4().hex[:8]}"
     yield name
     r = redis.Redis.from_url(get_settings().broker_url)
-    r.delete(RateLimiter(r).key(name))
+    for key in r.scan_iter(f"{RateLimiter(r).key(name)}*"):
+        r.delete(key)
 
 
 @pytest.fixture
@@ -113,11 +115,36 @@ def test_agents_have_separate_namespaced_buckets(limiter: RateLimiter, agent: st
         with pytest.raises(RateLimitTimeout):
             limiter.acquire(agent, SLOW_RPM, timeout_s=0, burst=1)
         assert limiter.acquire(other, SLOW_RPM, timeout_s=0, burst=1) == 0.0
-        assert limiter.key(agent) == f"conductor:rl:{agent}"
-        assert limiter.client.exists(limiter.key(agent))
-        assert limiter.client.pttl(limiter.key(agent)) > 0  # idle buckets expire instead of piling up
+        bucket = limiter.key(limiter.bucket(agent, SLOW_RPM, 1))
+        assert bucket == f"conductor:rl:{agent}@{SLOW_RPM}/1"
+        assert limiter.client.exists(bucket)
+        assert limiter.client.pttl(bucket) > 0  # idle buckets expire instead of piling up
     finally:
-        limiter.client.delete(limiter.key(other))
+        limiter.client.delete(limiter.key(limiter.bucket(other, SLOW_RPM, 1)))
+
+
+def test_callers_at_another_rate_for_the_same_agent_keep_their_own_bucket(limiter: RateLimiter, agent: str) -> None:
+    # a pool edited from rpm 60 to 6000 (or another pool's agent of that name): the fast callers' backlog
+    # does not push the slow one's slot minutes away, nor do the slow one's refills cap the fast ones
+    for _ in range(20):
+        limiter.acquire(agent, 6000, timeout_s=5, burst=1)  # a 0.2 s backlog at 100 tokens/s
+    assert limiter.acquire(agent, 60, timeout_s=0, burst=1) == 0.0
+
+
+def test_more_callers_than_connections_wait_for_one_instead_of_failing(agent: str) -> None:
+    limiter = RateLimiter(url=get_settings().broker_url)
+    pool = limiter.client.connection_pool
+    held = [pool.get_connection() for _ in range(MAX_CONNECTIONS)]  # every connection busy
+    done: list[Any] = []
+    caller = threading.Thread(target=lambda: done.append(limiter.acquire(agent, 6000, timeout_s=5)))
+    caller.start()
+    caller.join(0.3)
+    assert caller.is_alive() and not done  # waiting for a connection, not failed
+    pool.release(held.pop())
+    caller.join(10)
+    assert done == [0.0]  # granted once a connection was free
+    for connection in held:
+        pool.release(connection)
 
 
 def test_unreachable_redis_is_a_retryable_error_not_a_hang(agent: str) -> None:
