@@ -43,13 +43,13 @@ from conductor.errors import (
     StepAbandoned,
 )
 from conductor.lease import heartbeat
-from conductor.planning.base import PlanResult
+from conductor.planning.base import PlannerUsage, PlanningOverBudget, PlanResult
 from conductor.planning.planner import longest_planning_s, make_plan
 from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.config import AgentConfig, PoolConfig
 from conductor.pool.errors import ProviderError
 from conductor.pool.registry import provider_for
-from conductor.ratelimit import get_limiter
+from conductor.ratelimit import wait_for_rate_limit
 from conductor.replay import replay_plan, step_rows
 from conductor.retry import RetryPolicy
 from conductor.settings import Settings
@@ -157,6 +157,9 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
             result = replay_plan(planned[0], job)
     except DeadlineExceeded as exc:
         return fail_job(job_id, error_type=ErrorType.DEADLINE_EXCEEDED, message=str(exc), plan_claim=claim)
+    except PlanningOverBudget as exc:  # the budget has no room for a planner call
+        return fail_job(job_id, error_type=ErrorType.BUDGET_EXCEEDED, message=str(exc), plan_claim=claim,
+                        planner_usage=_usage_columns(exc.usage))
     except (ProviderError, WorkflowError) as exc:
         kind = ErrorType.PLANNER_ERROR if isinstance(exc, ProviderError) else ErrorType.INVALID_WORKFLOW
         return fail_job(job_id, error_type=kind, message=f"planning failed: {exc}", plan_claim=claim,
@@ -293,6 +296,12 @@ def _planner_usage(planned: list[PlanResult]) -> dict[str, Any]:
     return {k: v for k, v in _plan_columns(planned[0]).items() if k in store.PLANNER_USAGE} if planned else {}
 
 
+def _usage_columns(usage: PlannerUsage) -> dict[str, Any]:
+    columns = {"planner_input_tokens": usage.input_tokens, "planner_output_tokens": usage.output_tokens,
+               "planner_cost_usd": usage.cost_usd, "planner_calls": usage.calls}
+    return {k: v for k, v in columns.items() if k in store.PLANNER_USAGE}
+
+
 def _plan_columns(result: PlanResult) -> dict[str, Any]:
     return {
         "planned_at": utcnow(),
@@ -301,10 +310,7 @@ def _plan_columns(result: PlanResult) -> dict[str, Any]:
         "planner_raw": result.raw_text,
         "planner_error": result.error,
         "planner_attempts": result.attempts,
-        "planner_input_tokens": result.usage.input_tokens,
-        "planner_output_tokens": result.usage.output_tokens,
-        "planner_cost_usd": result.usage.cost_usd,
-        "planner_calls": result.usage.calls,
+        **_usage_columns(result.usage),
     }
 
 
@@ -418,7 +424,7 @@ def _call_and_record(job_id: str, index: int, claimed: _Claimed, settings: Setti
         started = time.monotonic()
         try:
             provider = provider_for(claimed.agent, claimed.config)
-            _wait_for_rate_limit(claimed.agent, claimed.config, settings, tenant=claimed.tenant)
+            wait_for_rate_limit(claimed.agent, claimed.config.rpm, settings, tenant=claimed.tenant)
             completion = provider.complete(claimed.messages, options)
         except Exception as raised:
             exc: ProviderError | ConductorError = (
@@ -608,14 +614,6 @@ def _start_child(
         lease_expires_at=None,
     )
     return Dispatch(plan=[child.id])
-
-
-def _wait_for_rate_limit(agent: str, config: AgentConfig, settings: Settings, *, tenant: str) -> None:
-    """Takes a token from the agent's bucket shared by every worker (Redis), within the tenant's fair
-    share of it. Embedded mode (one process, in-memory broker) has no Redis and runs unlimited."""
-    if config.rpm is None or not settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
-        return
-    get_limiter(settings.broker_url).acquire(agent, config.rpm, timeout_s=settings.rate_limit_wait_s, tenant=tenant)
 
 
 def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import redis
 
 from conductor.errors import ErrorType
 from conductor.pool.errors import RateLimited, RetryableError
-from conductor.settings import get_settings
+from conductor.settings import Settings, get_settings
 
 KEY_PREFIX = "conductor:rl:"
 REDIS_TIMEOUT_S = 2.0
@@ -261,3 +261,12 @@ def get_limiter(url: str | None = None) -> RateLimiter:
 @lru_cache(maxsize=8)
 def _limiter_for(url: str) -> RateLimiter:
     return RateLimiter(url=url)
+
+
+def wait_for_rate_limit(agent: str, rpm: int | None, settings: Settings, *, tenant: str) -> None:
+    """Takes a token from the agent's bucket shared by every worker (Redis), within the tenant's fair
+    share of it: before every provider call, a step's or a planner's. Embedded mode (one process,
+    in-memory broker) has no Redis and runs unlimited."""
+    if rpm is None or not settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
+        return
+    get_limiter(settings.broker_url).acquire(agent, rpm, timeout_s=settings.rate_limit_wait_s, tenant=tenant)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from conductor.errors import BudgetExceeded
 from conductor.workflow import Workflow
 
 WorkflowSource = Literal["planner", "request", "fallback", "replay"]
@@ -33,3 +34,12 @@ class PlanResult:
     """Why the planner's output was rejected, when it was."""
     attempts: int = 0
     usage: PlannerUsage = field(default_factory=PlannerUsage)
+
+
+class PlanningOverBudget(BudgetExceeded):
+    """The job's budget has no room for a planner call; ``usage``: what the planning's calls before it
+    spent (the job counts it when it fails)."""
+
+    def __init__(self, message: str, usage: PlannerUsage):
+        super().__init__(message)
+        self.usage = usage

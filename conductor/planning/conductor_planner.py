@@ -8,6 +8,7 @@ the caller's one retry policy decides about them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from conductor.planning.base import PlannerUsage, PlanResult
 from conductor.planning.parse import PlannerFormatError, parse_planner_output
@@ -37,6 +38,7 @@ def plan_with_model(
     max_tokens: int = PLANNER_MAX_TOKENS,
     timeout_s: float = CallOptions.timeout_s,
     usage: PlannerUsage | None = None,
+    before_call: Callable[[list[Message], PlannerUsage], int] | None = None,
 ) -> PlanResult:
     """Plans ``task`` with the model behind ``provider``; ``planner_agent`` names its pool entry.
 
@@ -70,7 +72,11 @@ def plan_with_model(
     raw_text = ""
     error = ""
     for attempt in range(1, MAX_PLANNER_ATTEMPTS + 1):
-        completion = provider.complete(messages, options)
+        # the caller's rate limit and budget: it waits for a slot and says how many tokens this call may
+        # write (or raises, e.g. BudgetExceeded)
+        call = options if before_call is None else replace(
+            options, max_tokens=min(options.max_tokens, before_call(messages, usage)))
+        completion = provider.complete(messages, call)
         _add_usage(usage, completion, price)
         raw_text = completion.text
         try:

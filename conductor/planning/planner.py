@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 
-from conductor.planning.base import PlannerUsage, PlanResult
+from conductor.budget import Spent, allowed_output_tokens, estimate_tokens
+from conductor.errors import BudgetExceeded
+from conductor.planning.base import PlannerUsage, PlanningOverBudget, PlanResult
 from conductor.planning.templates import template_workflow
 from conductor.pool.base import Message
 from conductor.pool.config import PoolConfig
 from conductor.pool.errors import ProviderError
 from conductor.pool.registry import provider_for
+from conductor.ratelimit import wait_for_rate_limit
 from conductor.retry import RetryPolicy
 from conductor.settings import Settings
 from conductor.store.models import Job
@@ -86,6 +89,19 @@ def _plan_with_agent(
     policy = RetryPolicy.from_settings(settings)
     attempt = 1
     spent = PlannerUsage()  # every call's, across retries: a call that answered before one raised was paid
+    cap = min(config.max_tokens, 4096)
+
+    def before_call(messages: list[Message], _: PlannerUsage) -> int:
+        """Each planner call waits for the agent's rate limit, as a step does, and writes at most what the
+        job's budget has room for (earlier claims' planner spend and this planning's so far count)."""
+        wait_for_rate_limit(agent, config.rpm, settings, tenant=job.tenant)
+        before = Spent(tokens=(job.planner_input_tokens or 0) + (job.planner_output_tokens or 0)
+                       + spent.input_tokens + spent.output_tokens,
+                       cost_usd=(job.planner_cost_usd or 0.0) + spent.cost_usd)
+        prompt = sum(estimate_tokens(m.content) for m in messages)
+        return allowed_output_tokens(job.limits or {}, before, prompt_tokens=prompt, max_tokens=cap,
+                                     price=config.price)
+
     while True:
         try:
             return plan_with_model(
@@ -99,10 +115,15 @@ def _plan_with_agent(
                 fallback=fallback,
                 context=context or None,
                 nested=job.depth > 0,
-                max_tokens=min(config.max_tokens, 4096),
+                max_tokens=cap,
                 timeout_s=settings.provider_timeout_s,
                 usage=spent,
+                before_call=before_call,
             )
+        except PlanningOverBudget:
+            raise
+        except BudgetExceeded as exc:  # paid for before the budget ran out: the job counts it when it fails
+            raise PlanningOverBudget(f"planning: {exc}", spent) from exc
         except ProviderError as exc:
             if not policy.should_retry(attempt, exc):
                 return PlanResult(

@@ -168,3 +168,29 @@ def test_process_wide_limiter_uses_the_broker_redis() -> None:
     actual = limiter.client.connection_pool.connection_kwargs
     assert (actual["host"], actual["port"], actual["db"]) == (expected["host"], expected["port"], expected["db"])
     assert limiter.client.ping()
+
+
+def test_a_planner_call_takes_a_slot_of_its_agents_limit_like_a_step(agent: str) -> None:
+    """A job may name any agent of its pool as its planner: its calls share that agent's bucket (and the
+    tenant's fair share of it) with the agent's steps, so planning never sends past the provider's rpm."""
+    from types import SimpleNamespace
+
+    from conductor.planning.planner import _plan_with_agent
+    from conductor.pool.config import PoolConfig
+    from conductor.settings import Settings
+    from tests.unit import test_conductor_planner as scripted
+
+    settings = Settings(broker_url=get_settings().broker_url, rate_limit_wait_s=0.2, step_max_attempts=1)
+    pool = PoolConfig.model_validate({"planner": agent, "agents": {
+        agent: {"provider": "sim", "rpm": SLOW_RPM}, "coder": {"provider": "sim"}}})
+    limiter = get_limiter(settings.broker_url)
+    for _ in range(SLOW_RPM):  # the agent's steps took every slot of this minute
+        limiter.acquire(agent, SLOW_RPM, timeout_s=0, tenant="t")
+    provider = scripted.ScriptedProvider([scripted.VALID])
+    job: Any = SimpleNamespace(task="t", context=None, depth=0, tenant="t", limits={}, planner_input_tokens=0,
+                               planner_output_tokens=0, planner_cost_usd=0.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("conductor.planning.planner.provider_for", lambda _name, _config: provider)  # network edge
+        result = _plan_with_agent(job, pool, agent, settings, max_steps=3, allow_conductor=False)
+    assert provider.calls == []  # no slot within the wait: the planner was not called past the limit
+    assert result.source == "fallback" and "rate limit" in (result.error or "")

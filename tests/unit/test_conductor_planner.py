@@ -340,9 +340,59 @@ def test_a_call_that_answered_before_a_retried_error_is_still_counted(monkeypatc
     monkeypatch.setattr(planner_module, "provider_for", lambda _name, _config: provider)  # the network edge
     monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_BASE_S", "0")
     monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_MAX_S", "0")
-    job: Any = SimpleNamespace(task="write a haiku", context=None, depth=0)
+    job: Any = SimpleNamespace(task="write a haiku", context=None, depth=0, tenant="t", limits={},
+                               planner_input_tokens=0, planner_output_tokens=0, planner_cost_usd=0.0)
     result = planner_module._plan_with_agent(job, make_pool(), "planner-llm", Settings(), max_steps=5,
                                              allow_conductor=True)
     assert result.source == "planner" and len(provider.calls) == 3
     assert result.usage.calls == 2  # the first (invalid) answer and the last; the rate-limited call had none
     assert result.usage.output_tokens == len(FORWARD_REFERENCE) // 4 + len(VALID) // 4
+
+
+def planning_job(**fields: Any) -> Any:
+    from types import SimpleNamespace
+
+    defaults: dict[str, Any] = {"task": "write a haiku", "context": None, "depth": 0, "tenant": "t", "limits": {},
+                                "planner_input_tokens": 0, "planner_output_tokens": 0, "planner_cost_usd": 0.0}
+    return SimpleNamespace(**{**defaults, **fields})
+
+
+def test_a_planner_call_writes_no_more_than_the_budget_has_room_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conductor.planning import planner as planner_module
+    from conductor.settings import Settings
+
+    provider = ScriptedProvider([VALID])
+    monkeypatch.setattr(planner_module, "provider_for", lambda _name, _config: provider)  # the network edge
+    from conductor.budget import estimate_tokens
+
+    # $1 / $2 per million tokens in / out: the prompt's cost plus $0.0003, room for 150 output tokens
+    prompt = sum(estimate_tokens(m.content) for m in build_planner_messages(
+        "write a haiku", make_pool(), max_steps=5, allow_conductor=True))
+    job = planning_job(limits={"max_cost_usd": prompt * 1e-6 + 0.0003})
+    planner_module._plan_with_agent(job, make_pool(), "planner-llm", Settings(), max_steps=5, allow_conductor=True)
+    ((_, options),) = provider.calls
+    assert 100 <= options.max_tokens <= 150  # not the agent's 4,096
+    unlimited = ScriptedProvider([VALID])
+    monkeypatch.setattr(planner_module, "provider_for", lambda _name, _config: unlimited)
+    planner_module._plan_with_agent(planning_job(), make_pool(), "planner-llm", Settings(), max_steps=5,
+                                    allow_conductor=True)
+    assert unlimited.calls[0][1].max_tokens == min(make_pool().agents["planner-llm"].max_tokens, 4096)
+
+
+def test_a_planning_the_budget_cannot_pay_for_fails_with_what_it_spent(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conductor.budget import estimate_tokens
+    from conductor.planning import planner as planner_module
+    from conductor.planning.base import PlanningOverBudget
+    from conductor.settings import Settings
+
+    provider = ScriptedProvider([FORWARD_REFERENCE, VALID])  # an invalid plan, then the re-ask
+    monkeypatch.setattr(planner_module, "provider_for", lambda _name, _config: provider)
+    # room for the first call only: its spend leaves the re-ask (its prompt now longer) nothing
+    first_prompt = sum(estimate_tokens(m.content) for m in build_planner_messages(
+        "write a haiku", make_pool(), max_steps=5, allow_conductor=True))
+    job = planning_job(limits={"max_tokens": first_prompt + 400})
+    with pytest.raises(PlanningOverBudget, match="token budget") as refused:
+        planner_module._plan_with_agent(job, make_pool(), "planner-llm", Settings(), max_steps=5,
+                                        allow_conductor=True)
+    assert len(provider.calls) == 1 and refused.value.usage.calls == 1  # the paid call is reported
+    assert refused.value.usage.input_tokens > 0

@@ -171,6 +171,14 @@ def test_a_spent_budget_refuses_the_step_without_calling_its_agent(settings: Set
     assert step.error_type == ErrorType.BUDGET_EXCEEDED and attempts(step) == [] and job.calls == 0
 
 
+def test_a_model_planner_the_budget_cannot_pay_for_fails_the_job_without_calling_it(settings: Settings) -> None:
+    # the planner's prompt alone is over 50 tokens: the job ends budget_exceeded, not after a paid call
+    job, steps = run(settings, planner="a", limits={"max_tokens": 50})
+    assert job.status == JobStatus.FAILED and job.error_type == ErrorType.BUDGET_EXCEEDED
+    assert "planning: token budget 50 exhausted" in (job.error_message or "")
+    assert steps == [] and job.calls == 0 and job.planner_calls == 0
+
+
 def test_a_recursive_step_runs_a_child_job_and_resumes_its_parent(settings: Settings) -> None:
     job, steps = run(settings, workflow=workflow(["a", "conductor", "b"], [[], [0], [1]]))
     assert job.status == JobStatus.SUCCEEDED, (job.error_type, job.error_message)
