@@ -37,10 +37,11 @@ from conductor.settings import Settings, get_settings
 
 KEY_PREFIX = "conductor:rl:"
 REDIS_TIMEOUT_S = 2.0
+"""Connect and read timeout for the limiter's Redis: an unreachable limiter fails the attempt, not the worker."""
 MAX_CONNECTIONS = 64
 """Connections a process's limiter opens at most; more callers at once wait for one (a call is one script)."""
 FAIRNESS_JITTER_S = 0.05
-"""Connect and read timeout for the limiter's Redis: an unreachable limiter fails the attempt, not the worker."""
+"""At most this much is added to a fairness wait, so waiters woken by the same slot do not ask at once."""
 
 # KEYS[1] bucket; ARGV: capacity, refill tokens per second, the longest wait the caller accepts (seconds).
 # Returns {granted (0/1), wait in microseconds}. Time is kept in integer microseconds, exact in a double.
