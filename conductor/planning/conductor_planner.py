@@ -82,7 +82,7 @@ def plan_with_model(
         try:
             workflow = accept(completion)
         except (PlannerFormatError, WorkflowError) as exc:
-            error = _describe(exc, completion, max_tokens)
+            error = _describe(exc, completion, call.max_tokens)  # the limit this call had (a budget may lower it)
             messages = [*messages, Message(role="assistant", content=raw_text), build_reask_message(error)]
             continue
         return PlanResult(

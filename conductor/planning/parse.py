@@ -23,6 +23,8 @@ from typing import Any
 LIST_NAMES = ("model_ids", "subtasks", "access_lists")
 _LIST_NAME_RE = re.compile(r"""(?<![\w])["']?(model_ids|subtasks|access_lists)["']?\s*[:=]\s*""")
 _THINK_OPEN = "<think>"
+_THINK_LINE = re.compile(r"^[ \t]*<think>", re.M)
+_OBJECT_LINE = re.compile(r"^[ \t]*\{", re.M)
 _THINK_CLOSE = "</think>"
 _QUOTES = ("'", '"')
 _PREVIEW_CHARS = 40
@@ -37,20 +39,25 @@ def parse_planner_output(text: str, pool_names: list[str]) -> dict[str, list[Any
     """The three lists, of equal length, with integer ``model_ids`` turned into agent names."""
     if not text or not text.strip():
         raise PlannerFormatError(f"the answer is empty; expected the workflow as {_expected()}")
-    body, think_unclosed = _strip_think(text)
-    if not body.strip() and not think_unclosed:
+    body, unclosed = _strip_think(text)
+    if not body.strip() and unclosed is None:
         raise PlannerFormatError(
             f"nothing follows the </think> block; give the workflow after it as {_expected()}"
         )
     try:
-        lists = _find_lists(body)
+        # a workflow complete before a last <think> left open is the answer (the reasoning after it was
+        # cut off); without one, the open block's text is read too (a model may answer inside it)
+        lists = _find_lists(body, pool_names)
     except PlannerFormatError as exc:
-        if think_unclosed:
+        if unclosed is None:
+            raise
+        try:
+            lists = _find_lists(body + unclosed, pool_names)
+        except PlannerFormatError as inner:
             raise PlannerFormatError(
                 "the <think> block is never closed and no complete workflow follows it "
-                f"(was the answer cut off?): {exc}"
+                f"(was the answer cut off?): {inner}"
             ) from exc
-        raise
     lengths = {name: len(lists[name]) for name in LIST_NAMES}
     if len(set(lengths.values())) != 1:
         detail = ", ".join(f"{name} has {n}" for name, n in lengths.items())
@@ -63,14 +70,14 @@ def _expected() -> str:
     return "three lists: model_ids, subtasks and access_lists"
 
 
-def _strip_think(text: str) -> tuple[str, bool]:
-    """The text without its reasoning blocks, and whether the last one was left open.
+def _strip_think(text: str) -> tuple[str, str | None]:
+    """The text without its reasoning blocks, and the text of a last block left open (None if none).
 
-    Every ``<think>…</think>`` block is dropped wherever it stands (a draft workflow inside one is not the
-    answer). Some chat templates put ``<think>`` into the prompt, so the answer starts inside the block and
-    only the closing tag appears in the output: everything before a first ``</think>`` that has no
-    ``<think>`` before it is reasoning too. A block left open keeps its text (a model that never closes
-    it may still have written its answer there); the caller says so if nothing readable is found.
+    A reasoning block is a ``<think>`` that opens a line (only white space before it on its line) up to
+    its ``</think>``: dropped wherever it stands (a draft workflow inside one is not the answer), while a
+    ``<think>`` inside a line -- a subtask about reasoning tags -- is text. Some chat templates put
+    ``<think>`` into the prompt, so the answer starts inside the block and only the closing tag appears in
+    the output: everything before a first ``</think>`` with no ``<think>`` before it is reasoning too.
     """
     close = text.find(_THINK_CLOSE)
     opening = text.find(_THINK_OPEN)
@@ -78,19 +85,19 @@ def _strip_think(text: str) -> tuple[str, bool]:
         text = text[close + len(_THINK_CLOSE) :]
     kept: list[str] = []
     i = 0
-    while True:
-        opening = text.find(_THINK_OPEN, i)
-        if opening == -1:
-            kept.append(text[i:])
-            return "".join(kept), False
-        kept.append(text[i:opening])
-        close = text.find(_THINK_CLOSE, opening)
+    for match in _THINK_LINE.finditer(text):
+        if match.start() < i:
+            continue  # inside a block already dropped
+        kept.append(text[i : match.start()])
+        close = text.find(_THINK_CLOSE, match.end())
         if close == -1:
-            return "".join(kept) + text[opening + len(_THINK_OPEN) :], True
+            return "".join(kept), text[match.end() :]
         i = close + len(_THINK_CLOSE)
+    kept.append(text[i:])
+    return "".join(kept), None
 
 
-def _find_lists(body: str) -> dict[str, list[Any]]:
+def _find_lists(body: str, pool_names: list[str]) -> dict[str, list[Any]]:
     """The three lists from one place: the last JSON object in ``body`` holding all three keys; else each
     name followed by ``=`` or ``:`` and a list (the research model's Python lists), skipping names inside a
     list already read. A name's first list must be readable, and a later different list of the same name
@@ -115,7 +122,7 @@ def _find_lists(body: str) -> dict[str, list[Any]]:
         taken.append((start, end))
         if name in problems:
             continue  # its first list was unreadable: that is what the model is told to fix
-        if name in found and value != found[name]:
+        if name in found and _comparable(name, value, pool_names) != _comparable(name, found[name], pool_names):
             raise PlannerFormatError(
                 f"{name} is given twice, differently ({_preview(repr(found[name]))} and {_preview(repr(value))});"
                 " give exactly one workflow"
@@ -128,22 +135,28 @@ def _find_lists(body: str) -> dict[str, list[Any]]:
     return {name: found[name] for name in LIST_NAMES}
 
 
+def _comparable(name: str, value: list[Any], pool_names: list[str]) -> Any:
+    """``model_ids`` as agent names (``[0, 1]`` and ``["gpt-5", "claude"]`` are the same list)."""
+    if name != "model_ids":
+        return value
+    try:
+        return _resolve_model_ids(value, pool_names)
+    except PlannerFormatError:
+        return value
+
+
 def _json_workflow(body: str) -> dict[str, list[Any]] | None:
-    """The last JSON object in ``body`` whose three keys are all present (values judged later)."""
+    """The last JSON object in ``body`` holding all three keys (values judged later) among those that open
+    a line: an object inside a line is an example in prose or inside a subtask's string."""
     decoder = json.JSONDecoder(strict=False)
     last: dict[str, Any] | None = None
-    i = body.find("{")
-    while i != -1:
+    for match in _OBJECT_LINE.finditer(body):
         try:
-            value, end = decoder.raw_decode(body, i)
+            value, _ = decoder.raw_decode(body, match.end() - 1)
         except (ValueError, RecursionError):
-            i = body.find("{", i + 1)
             continue
         if isinstance(value, dict) and all(name in value for name in LIST_NAMES):
             last = value
-            i = body.find("{", end)
-        else:
-            i = body.find("{", i + 1)
     if last is None:
         return None
     for name in LIST_NAMES:

@@ -396,3 +396,17 @@ def test_a_planning_the_budget_cannot_pay_for_fails_with_what_it_spent(monkeypat
                                         allow_conductor=True)
     assert len(provider.calls) == 1 and refused.value.usage.calls == 1  # the paid call is reported
     assert refused.value.usage.input_tokens > 0
+
+
+def test_a_cut_off_answer_is_told_the_limit_its_call_had() -> None:
+    class CutOff(ScriptedProvider):
+        def complete(self, messages: list[Message], options: CallOptions) -> Completion:
+            done = super().complete(messages, options)
+            return Completion(text=done.text, input_tokens=done.input_tokens, output_tokens=options.max_tokens,
+                              finish_reason="length", model=done.model, latency_ms=done.latency_ms)
+
+    provider = CutOff(['{"model_ids": ["coder"], "subtasks": ["trun', '{"model_ids": ["coder"], "sub'])
+    result = plan_with_model("t", make_pool(), provider, "planner-llm", max_steps=3, max_instruction_chars=100,
+                             allow_conductor=False, fallback=lambda: FALLBACK, before_call=lambda _m, _u: 60)
+    assert [options.max_tokens for _, options in provider.calls] == [60, 60]  # the budget's, not the agent's
+    assert "cut off at the 60-token limit" in (result.error or "")

@@ -268,3 +268,30 @@ def test_rendered_workflows_parse_back_to_the_same_workflow(
     for text in (python_text, as_json(workflow, fenced=fenced)):
         raw = parse_planner_output(text, POOL)
         assert parse_workflow(raw, agents=POOL, max_steps=5) == workflow
+
+
+def test_think_tags_inside_a_subtask_are_text() -> None:
+    # only a <think> opening a line is reasoning: a task about reasoning tags keeps its words
+    real = {"model_ids": ["gpt-5", "claude-sonnet-4"],
+            "subtasks": ["Write strip(text) that removes every <think>...</think> block.", "Explain </think>."],
+            "access_lists": [[], "all"]}
+    assert parse(json.dumps(real)) == real
+
+
+def test_a_json_example_inside_a_python_list_subtask_is_not_the_workflow() -> None:
+    example = '{"model_ids": [2], "subtasks": ["x"], "access_lists": [[]]}'
+    text = (f"<think>plan</think>\nmodel_ids = [0, 1]\nsubtasks = ['Write a validator for JSON such as {example}', "
+            "'Test it']\naccess_lists = [[], [0]]")
+    raw = parse(text)
+    assert raw["model_ids"] == ["gpt-5", "claude-sonnet-4"] and raw["subtasks"][1] == "Test it"
+
+
+def test_the_same_list_given_by_numbers_and_by_names_is_one_list() -> None:
+    text = ("model_ids = [0, 1]\nsubtasks = ['a', 'b']\naccess_lists = [[], [0]]\n\n"
+            "So: model_ids = ['gpt-5', 'claude-sonnet-4']")
+    assert parse(text)["model_ids"] == ["gpt-5", "claude-sonnet-4"]
+
+
+def test_a_complete_workflow_before_a_cut_off_reasoning_block_is_the_answer() -> None:
+    text = "model_ids = [0]\nsubtasks = ['a']\naccess_lists = [[]]\n<think>double-check: maybe model_ids = [1]"
+    assert parse(text)["model_ids"] == ["gpt-5"]
