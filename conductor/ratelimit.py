@@ -175,13 +175,6 @@ class RateLimiter:
     def key(self, agent: str) -> str:
         return f"{self.prefix}{agent}"
 
-    def bucket(self, agent: str, rpm: int, capacity: int) -> str:
-        """An agent's bucket at one rate: callers with another rpm or burst for the same agent name (another
-        pool's agent, or jobs whose pool snapshot predates an edit) keep their own, instead of refilling and
-        capping one shared bucket each at its own rate (an rpm-60 caller behind an rpm-6000 backlog was
-        told its slot was minutes away)."""
-        return f"{agent}@{rpm}/{capacity}"
-
     def acquire(
         self, agent: str, rpm: int, *, timeout_s: float, burst: int | None = None, tenant: str | None = None
     ) -> float:
@@ -197,14 +190,12 @@ class RateLimiter:
         waited = 0.0
         while True:
             left = max(0.0, timeout_s - waited)
-            bucket = self.bucket(agent, rpm, capacity)
             if tenant is None:
-                granted, wait = self._take(bucket, capacity=capacity, per_second=rpm / 60.0, max_wait=left,
-                                           agent=agent)
+                granted, wait = self._take(agent, capacity=capacity, per_second=rpm / 60.0, max_wait=left)
                 fairness = False
             else:
                 granted, wait, fairness = self._take_fair(
-                    bucket, tenant, capacity=capacity, per_second=rpm / 60.0, max_wait=left, agent=agent
+                    agent, tenant, capacity=capacity, per_second=rpm / 60.0, max_wait=left
                 )
             if granted:
                 if wait > 0:
@@ -224,19 +215,18 @@ class RateLimiter:
         granted, wait = self._take(name, capacity=burst or per_minute, per_second=per_minute / 60.0, max_wait=0.0)
         return 0.0 if granted else max(wait, 0.001)
 
-    def _take(self, name: str, *, capacity: int, per_second: float, max_wait: float,
-              agent: str | None = None) -> tuple[bool, float]:
+    def _take(self, agent: str, *, capacity: int, per_second: float, max_wait: float) -> tuple[bool, float]:
         try:
-            reply: Any = self._script(keys=[self.key(name)], args=[capacity, repr(per_second), repr(max_wait)])
+            reply: Any = self._script(keys=[self.key(agent)], args=[capacity, repr(per_second), repr(max_wait)])
         except redis.RedisError as exc:
-            raise _unavailable(agent or name, exc) from exc
+            raise _unavailable(agent, exc) from exc
         granted, wait_us = reply
         return bool(int(granted)), int(wait_us) / 1_000_000
 
     def _take_fair(
-        self, bucket: str, tenant: str, *, capacity: int, per_second: float, max_wait: float, agent: str
+        self, agent: str, tenant: str, *, capacity: int, per_second: float, max_wait: float
     ) -> tuple[bool, float, bool]:
-        keys = [self.key(bucket), f"{self.key(bucket)}:tenants", f"{self.key(bucket)}:t:{tenant}"]
+        keys = [self.key(agent), f"{self.key(agent)}:tenants", f"{self.key(agent)}:t:{tenant}"]
         args = [capacity, repr(per_second), repr(max_wait), tenant, uuid.uuid4().hex, repr(ACTIVE_WINDOW_S)]
         try:
             reply: Any = self._fair(keys=keys, args=args)
