@@ -164,8 +164,8 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("run", help="run one job here and now: one process, no services (embedded mode)")
     c.add_argument("task")
-    c.add_argument("--pool", help="pool name or YAML file (default: CONDUCTOR_POOL_FILE if set, else research "
-                   "if a provider key is set, else local: a tiny model on this CPU)")
+    c.add_argument("--pool", help="pool name or YAML file (default: CONDUCTOR_POOL_FILE if set, else the hosted "
+                   "models whose provider keys are set, else local: a small model on this CPU)")
     c.add_argument("--planner", help="conductor (default) | an agent of the pool | template:single|fanout|pev|moa")
     c.add_argument("--data-dir", type=Path, help="where the SQLite store and log live (default: CONDUCTOR_DATA_DIR)")
     c.set_defaults(handler=_run)

@@ -179,9 +179,9 @@ HOSTED_AGENTS = ("gpt-5", "claude-sonnet-4", "gemini-2.5-pro")
 
 
 def hosted_pool(directory: Path, keys: list[str]) -> Path:
-    """Writes ``<directory>/pools/hosted.yaml``: the research pool's hosted models whose keys are set, the
-    first of them also planning (as agent ``<name>-planner``, so it still runs steps), ``template:single``
-    as the fallback. The research pool itself plans with the Conductor model on a GPU node
+    """Writes ``<directory>/pools/hosted-<keys>.yaml`` (pool ``hosted``): the research pool's hosted models
+    whose keys are set, the first of them also planning (as agent ``<name>-planner``, so it still runs
+    steps), ``template:single`` as the fallback. The research pool itself plans with the Conductor model on a GPU node
     (``http://planner:8000``) and has open models behind vLLM: reachable inside its deployment only."""
     import yaml
 
@@ -196,14 +196,19 @@ def hosted_pool(directory: Path, keys: list[str]) -> Path:
                             "choose a pool with --pool")
     first = next(iter(agents))
     planner = f"{first}-planner"
-    pool = {"planner": planner, "fallback": "template:single",
+    pool = {"name": "hosted", "planner": planner, "fallback": "template:single",
             "agents": {planner: {**agents[first], "description": f"{first}, writing the workflow"}, **agents}}
     pool = json.loads(json.dumps(pool))  # no shared objects: YAML would write them as anchors
-    target = directory / "pools" / "hosted.yaml"
+    # one file per set of keys (two shells with different keys must not load each other's), written whole
+    # (a run reading it while another writes it sees the old file or the new one)
+    suffix = "-".join(key.removesuffix("_API_KEY").lower() for key in sorted(keys))
+    target = directory / "pools" / f"hosted-{suffix}.yaml"
     target.parent.mkdir(parents=True, exist_ok=True)
     header = (f"# Written by `conductor run` from the keys set ({', '.join(keys)}): the research pool's hosted "
               "models\n# with those keys; the first plans. Rewritten at every run without --pool.\n")
-    target.write_text(header + yaml.safe_dump(pool, sort_keys=False), encoding="utf-8")
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial.write_text(header + yaml.safe_dump(pool, sort_keys=False), encoding="utf-8")
+    os.replace(partial, target)
     return target
 
 

@@ -322,6 +322,8 @@ def test_with_provider_keys_the_default_pool_is_the_hosted_models_with_those_key
     pool = load_pool(Path(path))
     assert (pool.name, pool.planner, pool.worker_names) == ("hosted", planner, workers)
     assert all(var in why for var in keys)
+    assert Path(path).name == "hosted-" + "-".join(sorted(k.removesuffix("_API_KEY").lower() for k in keys)) + ".yaml"
+    assert [p.name for p in (tmp_path / "pools").iterdir()] == [Path(path).name]  # written whole, one per key set
 
 
 def test_a_run_with_one_provider_key_plans_and_answers_with_that_provider(tmp_path: Path) -> None:
@@ -337,7 +339,7 @@ def test_a_run_with_one_provider_key_plans_and_answers_with_that_provider(tmp_pa
         bodies = server.bodies
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "Answer: 42"
-    assert "pool: " in result.stderr and "hosted.yaml (OPENAI_API_KEY set" in result.stderr
+    assert "pool: " in result.stderr and "hosted-openai.yaml (OPENAI_API_KEY set" in result.stderr
     job = only_job(tmp_path)
     assert (job["status"], job["workflow_source"]) == ("succeeded", "planner")
     assert [st["agent"] for st in steps_of(tmp_path, job["id"])] == ["gpt-5"]
