@@ -24,6 +24,7 @@ LIST_NAMES = ("model_ids", "subtasks", "access_lists")
 _LIST_NAME_RE = re.compile(r"""(?<![\w])["']?(model_ids|subtasks|access_lists)["']?\s*[:=]\s*""")
 _THINK_OPEN = "<think>"
 _THINK_LINE = re.compile(r"^[ \t]*<think>", re.M)
+_THINK_END_LINE = re.compile(r"^[ \t]*</think>|</think>[ \t]*$", re.M)
 _OBJECT_LINE = re.compile(r"^[ \t]*\{", re.M)
 _THINK_CLOSE = "</think>"
 _QUOTES = ("'", '"')
@@ -79,10 +80,10 @@ def _strip_think(text: str) -> tuple[str, str | None]:
     ``<think>`` into the prompt, so the answer starts inside the block and only the closing tag appears in
     the output: everything before a first ``</think>`` with no ``<think>`` before it is reasoning too.
     """
-    close = text.find(_THINK_CLOSE)
-    opening = text.find(_THINK_OPEN)
-    if close != -1 and (opening == -1 or opening > close):
-        text = text[close + len(_THINK_CLOSE) :]
+    ending = _THINK_END_LINE.search(text)  # a </think> alone at its line's start or end, as reasoning ends
+    opening = _THINK_LINE.search(text)
+    if ending is not None and (opening is None or opening.start() > ending.start()):
+        text = text[ending.end() :]
     kept: list[str] = []
     i = 0
     for match in _THINK_LINE.finditer(text):

@@ -295,3 +295,8 @@ def test_the_same_list_given_by_numbers_and_by_names_is_one_list() -> None:
 def test_a_complete_workflow_before_a_cut_off_reasoning_block_is_the_answer() -> None:
     text = "model_ids = [0]\nsubtasks = ['a']\naccess_lists = [[]]\n<think>double-check: maybe model_ids = [1]"
     assert parse(text)["model_ids"] == ["gpt-5"]
+
+
+def test_a_closing_think_tag_inside_a_subtask_is_text_too() -> None:
+    real = {"model_ids": ["gpt-5"], "subtasks": ["Explain what </think> ends."], "access_lists": [[]]}
+    assert parse(json.dumps(real)) == real
