@@ -63,21 +63,16 @@ def wait(client: httpx.Client, batch_id: str, *, out: TextIO = sys.stderr, poll_
     ``patience_s`` in a row before the wait gives up."""
     live = out.isatty()
     last = ""
-    failing_since: float | None = None
+
+    def note(exc: Transient) -> None:
+        nonlocal last
+        out.write(f"{chr(10) if live and last else ''}batch {batch_id}: {exc}; polling again\n")
+        out.flush()
+        last = ""  # the bar is drawn again on its own line
+
     while True:
-        try:
-            batch = dict(_call(lambda: client.get(f"/v1/batches/{batch_id}")))
-            failing_since = None
-        except Transient as exc:
-            now = time.monotonic()
-            failing_since = failing_since or now
-            if now - failing_since > patience_s:
-                raise BatchSubmitError(f"{exc}; gave up after {patience_s:g}s of failed polls") from exc
-            out.write(f"{chr(10) if live and last else ''}batch {batch_id}: {exc}; polling again\n")
-            out.flush()
-            last = ""
-            time.sleep(min(POLL_BACKOFF_MAX_S, poll_s * 4))
-            continue
+        batch = dict(_patiently(lambda: client.get(f"/v1/batches/{batch_id}"), note=note, patience_s=patience_s,
+                                pause_s=min(POLL_BACKOFF_MAX_S, poll_s * 4)).json())
         bar = progress_bar(batch)
         if bar != last:
             out.write(("\r" + bar) if live else (bar + "\n"))
@@ -103,17 +98,12 @@ def write_results(client: httpx.Client, batch: dict[str, Any], results: Path, *,
                   patience_s: float = PATIENCE_S, retry_s: float = POLL_BACKOFF_MAX_S / 2) -> tuple[int, int]:
     """Writes every line's result, in input order (``GET /v1/batches/{id}/results``), to ``results``;
     returns (succeeded, failed). A failing API is asked again as ``wait`` polls it."""
-    started = time.monotonic()
-    while True:
-        try:
-            text = _send(lambda: client.get(f"/v1/batches/{batch['id']}/results")).text
-            break
-        except Transient as exc:
-            if time.monotonic() - started > patience_s:
-                raise BatchSubmitError(f"{exc}; gave up after {patience_s:g}s of failed tries") from exc
-            out.write(f"batch {batch['id']}: {exc}; asking for its results again\n")
-            out.flush()
-            time.sleep(retry_s)
+    def note(exc: Transient) -> None:
+        out.write(f"batch {batch['id']}: {exc}; asking for its results again\n")
+        out.flush()
+
+    text = _patiently(lambda: client.get(f"/v1/batches/{batch['id']}/results"), note=note, patience_s=patience_s,
+                      pause_s=retry_s).text
     lines = [line for line in jsonl_lines(text) if line.strip()]
     failed = sum(1 for line in lines if json.loads(line).get("error") is not None)
     try:
@@ -123,9 +113,19 @@ def write_results(client: httpx.Client, batch: dict[str, Any], results: Path, *,
     return len(lines) - failed, failed
 
 
-def _content(client: httpx.Client, file_id: str) -> str:
-    response = _send(lambda: client.get(f"/v1/files/{file_id}/content"))
-    return response.text
+def _patiently(request: Callable[[], httpx.Response], *, note: Callable[[Transient], None], patience_s: float,
+               pause_s: float) -> httpx.Response:
+    """``_send``, asked again after ``pause_s`` while the API fails transiently (``note`` says so each time),
+    until it has failed for ``patience_s`` in a row."""
+    started = time.monotonic()
+    while True:
+        try:
+            return _send(request)
+        except Transient as exc:
+            if time.monotonic() - started > patience_s:
+                raise BatchSubmitError(f"{exc}; gave up after {patience_s:g}s of failed tries") from exc
+            note(exc)
+            time.sleep(pause_s)
 
 
 def _call(request: Callable[[], httpx.Response]) -> Any:

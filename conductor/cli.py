@@ -303,6 +303,7 @@ def _planner_serve(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     from conductor.migrations.migrate import upgrade
+    from conductor.store.db import driver_reason
 
     url = get_settings().database_url
     try:
@@ -310,12 +311,11 @@ def _migrate(args: argparse.Namespace) -> int:
     except OperationalError as exc:
         if os.environ.get("CONDUCTOR_DEBUG"):
             raise
-        raise CliError(f"cannot reach the database ({exc.orig}); check CONDUCTOR_DATABASE_URL") from exc
+        raise CliError(f"cannot reach the database ({driver_reason(exc)}); check CONDUCTOR_DATABASE_URL") from exc
     except DBAPIError as exc:  # not "run conductor migrate": this is it
         if os.environ.get("CONDUCTOR_DEBUG"):
             raise
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
-        raise CliError(f"the migration failed ({reason}); fix that and run it again "
+        raise CliError(f"the migration failed ({driver_reason(exc)}); fix that and run it again "
                        "(CONDUCTOR_DEBUG=1 conductor migrate shows the traceback)") from exc
     print("database is at the latest revision")
     return 0
@@ -762,8 +762,9 @@ SCHEMA_BEHIND = {"42P01": "table", "42703": "column"}
 def _database_problem(exc: DBAPIError) -> str:
     """A database error as one line saying what to do: never its SQL parameters (they can hold secrets)."""
     where = _safe_url(get_settings().database_url)
-    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None and str(exc.orig).strip() else ""
-    reason = reason or type(exc.orig or exc).__name__
+    from conductor.store.db import driver_reason
+
+    reason = driver_reason(exc)
     code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
     if code in SCHEMA_BEHIND or reason.startswith(("no such table", "no such column")):
         return f"the database at {where} lacks Conductor Queue's schema ({reason}): run `conductor migrate`"

@@ -293,13 +293,13 @@ def _opened_roots(s: Session, job: Job, claims: list[_RootClaim], ids: dict[int,
 
 def _planner_usage(planned: list[PlanResult]) -> dict[str, Any]:
     """The planner usage columns of a planning's result (none without one)."""
-    return {k: v for k, v in _plan_columns(planned[0]).items() if k in store.PLANNER_USAGE} if planned else {}
+    return _usage_columns(planned[0].usage) if planned else {}
 
 
 def _usage_columns(usage: PlannerUsage) -> dict[str, Any]:
-    columns = {"planner_input_tokens": usage.input_tokens, "planner_output_tokens": usage.output_tokens,
-               "planner_cost_usd": usage.cost_usd, "planner_calls": usage.calls}
-    return {k: v for k, v in columns.items() if k in store.PLANNER_USAGE}
+    """A planning's usage as the job's planner columns (``store.PLANNER_USAGE``)."""
+    return {"planner_input_tokens": usage.input_tokens, "planner_output_tokens": usage.output_tokens,
+            "planner_cost_usd": usage.cost_usd, "planner_calls": usage.calls}
 
 
 def _plan_columns(result: PlanResult) -> dict[str, Any]:

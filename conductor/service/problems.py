@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conductor.errors import Rejection
 from conductor.quotas import QuotaExceeded
+from conductor.store.db import driver_reason
 from conductor.submission import IdempotencyConflict, SubmissionError
 from conductor.workflow import MAX_REPORTED_ERRORS
 
@@ -144,9 +145,7 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
     async def _db_down(_: Request, exc: Exception) -> JSONResponse:
         # the driver's own message (never the statement's parameters) says which it is: the server down, a
         # refused password, too many connections; check CONDUCTOR_DATABASE_URL and the database's log
-        orig = getattr(exc, "orig", None)
-        reason = str(orig).strip().splitlines()[0] if orig is not None and str(orig).strip() else ""
-        log.warning("database unavailable: %s: %s", type(exc).__name__, reason)
+        log.warning("database unavailable: %s: %s", type(exc).__name__, driver_reason(exc))
         return problem_response(503, "Database unavailable", "the job store cannot be reached; retry shortly",
                                 headers={"Retry-After": "5"})
 

@@ -28,6 +28,14 @@ _HOT_PATH: ContextVar[bool] = ContextVar("conductor_hot_path", default=False)
 """Set while ``transaction`` runs: connections checked out for the step hot path are not probed."""
 
 
+def driver_reason(exc: BaseException) -> str:
+    """The first line of the database driver's own message for an SQLAlchemy error (what went wrong:
+    refused connection, unknown table, ...), never the statement or its parameters; else the type's name."""
+    orig = getattr(exc, "orig", None)
+    text = str(orig).strip() if orig is not None else ""
+    return text.splitlines()[0] if text else type(orig or exc).__name__
+
+
 def get_engine(url: str | None = None) -> Engine:
     """The process's engine for ``url`` (default: ``CONDUCTOR_DATABASE_URL``): one connection pool per
     database per process, of at most ``db_pool_size + db_max_overflow`` connections.

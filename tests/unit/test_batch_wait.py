@@ -47,7 +47,7 @@ def test_a_wait_outlasts_a_few_failed_polls() -> None:
 
 def test_a_wait_gives_up_after_its_patience_and_a_client_error_at_once() -> None:
     with api(iter([httpx.Response(503, json={"title": "Database unavailable"})] * 3)) as client, \
-            pytest.raises(BatchSubmitError, match="gave up after 0s of failed polls"):
+            pytest.raises(BatchSubmitError, match="gave up after 0s of failed tries"):
         wait(client, "batch_1", out=io.StringIO(), poll_s=0.001, patience_s=0)
     with api(iter([httpx.Response(404, json={"error": {"message": "No such Batch object: batch_1"}})])) as client, \
             pytest.raises(BatchSubmitError, match="API answered 404: No such Batch object"):

@@ -417,3 +417,13 @@ def test_a_planning_cancelled_while_its_planner_ran_still_counts_the_planner(set
     assert job.planner_calls == 2 and job.planner_input_tokens > 0  # a first call and a re-ask, both paid
     assert (job.input_tokens, job.output_tokens, job.cost_usd, job.calls) == (
         job.planner_input_tokens, job.planner_output_tokens, job.planner_cost_usd, job.planner_calls)
+
+
+def test_a_plannings_usage_fills_exactly_the_planner_columns_the_store_adds_to() -> None:
+    from conductor.engine import _usage_columns
+    from conductor.planning.base import PlannerUsage
+
+    columns = _usage_columns(PlannerUsage(input_tokens=3, output_tokens=2, cost_usd=0.5, calls=1))
+    assert set(columns) == set(store.PLANNER_USAGE) and set(store.PLANNER_TOTALS) == set(store.PLANNER_USAGE)
+    assert columns == {"planner_input_tokens": 3, "planner_output_tokens": 2, "planner_cost_usd": 0.5,
+                       "planner_calls": 1}
