@@ -181,7 +181,8 @@ HOSTED_AGENTS = ("gpt-5", "claude-sonnet-4", "gemini-2.5-pro")
 def hosted_pool(directory: Path, keys: list[str]) -> Path:
     """Writes ``<directory>/pools/hosted-<keys>.yaml`` (pool ``hosted``): the research pool's hosted models
     whose keys are set, the first of them also planning (as agent ``<name>-planner``, so it still runs
-    steps), ``template:single`` as the fallback. The research pool itself plans with the Conductor model on a GPU node
+    steps, in ``<name>``'s rate-limit bucket), ``template:single`` as the fallback. The research pool
+    itself plans with the Conductor model on a GPU node
     (``http://planner:8000``) and has open models behind vLLM: reachable inside its deployment only."""
     import yaml
 
@@ -197,7 +198,9 @@ def hosted_pool(directory: Path, keys: list[str]) -> Path:
     first = next(iter(agents))
     planner = f"{first}-planner"
     pool = {"name": "hosted", "planner": planner, "fallback": "template:single",
-            "agents": {planner: {**agents[first], "description": f"{first}, writing the workflow"}, **agents}}
+            "agents": {planner: {**agents[first], "description": f"{first}, writing the workflow",
+                                 "rpm_bucket": first},  # one provider model: its planning and steps share its rpm
+                       **agents}}
     pool = json.loads(json.dumps(pool))  # no shared objects: YAML would write them as anchors
     # one file per set of keys (two shells with different keys must not load each other's), written whole
     # (a run reading it while another writes it sees the old file or the new one)

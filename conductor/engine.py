@@ -424,7 +424,8 @@ def _call_and_record(job_id: str, index: int, claimed: _Claimed, settings: Setti
         started = time.monotonic()
         try:
             provider = provider_for(claimed.agent, claimed.config)
-            wait_for_rate_limit(claimed.agent, claimed.config.rpm, settings, tenant=claimed.tenant)
+            wait_for_rate_limit(claimed.config.bucket(claimed.agent), claimed.config.rpm, settings,
+                                tenant=claimed.tenant)
             completion = provider.complete(claimed.messages, options)
         except Exception as raised:
             exc: ProviderError | ConductorError = (

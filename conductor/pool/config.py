@@ -8,7 +8,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from conductor.workflow import CONDUCTOR_AGENT
 
@@ -45,6 +54,10 @@ class AgentConfig(BaseModel):
     max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=200_000)
     price: Price = Field(default_factory=Price)
     rpm: int | None = Field(default=None, ge=1)
+    rpm_bucket: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
+    """The rate-limit bucket this agent's calls take their ``rpm`` slots from; by default its own name.
+    Agents naming one bucket (e.g. a planner and a worker on the same provider model) share one limit, so
+    together they never send past it; every agent of a pool in one bucket must give the same ``rpm``."""
     description: str = ""
     timeout_s: float | None = Field(default=None, gt=0)
     structured_output: bool = True
@@ -58,6 +71,17 @@ class AgentConfig(BaseModel):
         if v is not None and not re.fullmatch(r"[A-Z_][A-Z0-9_]*", v):
             raise ValueError("must be the NAME of an environment variable (e.g. OPENAI_API_KEY), never a key")
         return v
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("rpm_bucket") is None:  # a job's pool snapshot stays readable by workers without the field
+            data.pop("rpm_bucket", None)
+        return data
+
+    def bucket(self, name: str) -> str:
+        """The rate-limit bucket of this agent, known in its pool as ``name``."""
+        return self.rpm_bucket or name
 
     @model_validator(mode="after")
     def _needs_model(self) -> AgentConfig:
@@ -85,6 +109,13 @@ class PoolConfig(BaseModel):
             check_planner_ref(value, self.agents, field_name)
         if self.fallback not in template_refs():
             raise ValueError("fallback must be a template planner: " + ", ".join(template_refs()))
+        buckets: dict[str, dict[str, int | None]] = {}
+        for name, agent in self.agents.items():
+            buckets.setdefault(agent.bucket(name), {})[name] = agent.rpm
+        for bucket, members in buckets.items():
+            if len(set(members.values())) > 1:
+                given = ", ".join(f"{name} rpm {rpm}" for name, rpm in members.items())
+                raise ValueError(f"agents sharing rate-limit bucket '{bucket}' must give the same rpm: {given}")
         return self
 
     @property

@@ -321,6 +321,8 @@ def test_with_provider_keys_the_default_pool_is_the_hosted_models_with_those_key
     path, why = default_pool(data_dir=tmp_path)
     pool = load_pool(Path(path))
     assert (pool.name, pool.planner, pool.worker_names) == ("hosted", planner, workers)
+    # one provider model plans and runs steps: both take their slots from the worker's rpm bucket
+    assert pool.agents[planner].bucket(planner) == workers[0] == pool.agents[workers[0]].bucket(workers[0])
     assert all(var in why for var in keys)
     assert Path(path).name == "hosted-" + "-".join(sorted(k.removesuffix("_API_KEY").lower() for k in keys)) + ".yaml"
     assert [p.name for p in (tmp_path / "pools").iterdir()] == [Path(path).name]  # written whole, one per key set

@@ -78,3 +78,26 @@ def test_request_pool_names_cannot_be_paths(tmp_path: Path) -> None:
             resolve_pool_path(name, default_file=SHIPPED_POOLS_DIR / "research.yaml", pools_dirs=dirs)
     assert resolve_pool_path(str(secret), default_file=secret, pools_dirs=dirs, allow_path=True) == secret
     assert resolve_pool_path("local", default_file=secret, pools_dirs=dirs) == SHIPPED_POOLS_DIR / "local.yaml"
+
+
+def test_agents_naming_one_rate_limit_bucket_share_it_and_must_agree_on_its_rpm(tmp_path: Path) -> None:
+    pool = load_pool(write(tmp_path, "planner: p\nagents:\n  p: {provider: sim, rpm: 50, rpm_bucket: w}\n"
+                                     "  w: {provider: sim, rpm: 50}\n  x: {provider: sim, rpm: 50}\n"))
+    assert [pool.agents[n].bucket(n) for n in ("p", "w", "x")] == ["w", "w", "x"]
+    for text in ("agents:\n  p: {provider: sim, rpm: 60, rpm_bucket: w}\n  w: {provider: sim, rpm: 50}\n",
+                 "agents:\n  p: {provider: sim, rpm_bucket: w}\n  w: {provider: sim, rpm: 50}\n",
+                 "agents:\n  p: {provider: sim, rpm: 5, rpm_bucket: b}\n  q: {provider: sim, rpm: 6, rpm_bucket: b}\n"):
+        with pytest.raises(PoolError, match=r"rate-limit bucket '[wb]' must give the same rpm"):
+            load_pool(write(tmp_path, text))
+    with pytest.raises(PoolError, match="rpm_bucket"):
+        load_pool(write(tmp_path, "agents:\n  p: {provider: sim, rpm: 5, rpm_bucket: 'a b'}\n"))
+
+
+def test_a_pool_snapshot_leaves_out_an_unset_bucket(tmp_path: Path) -> None:
+    # a job stores its pool as JSON; workers of the release before this field (a rolling deploy) read it with
+    # extra fields forbidden, so the field is written only where a pool sets it
+    pool = load_pool(write(tmp_path, "planner: p\nagents:\n  p: {provider: sim, rpm: 5, rpm_bucket: w}\n"
+                                     "  w: {provider: sim, rpm: 5}\n"))
+    dumped = pool.model_dump(mode="json")
+    assert dumped["agents"]["p"]["rpm_bucket"] == "w" and "rpm_bucket" not in dumped["agents"]["w"]
+    assert type(pool).model_validate(dumped) == pool
