@@ -21,7 +21,7 @@ from conductor.pool.api_keys import read_api_key
 from conductor.pool.base import CallOptions, Completion, Message, Provider
 from conductor.pool.chat_turns import to_conversation
 from conductor.pool.config import AgentConfig
-from conductor.pool.errors import BadRequest, ConfigError, ProviderError
+from conductor.pool.errors import BadRequest, ConfigError, ProviderError, ServerError
 from conductor.pool.http_errors import (
     connection_failed,
     error_for_status,
@@ -55,6 +55,9 @@ FINISH_REASONS = {
     "MALFORMED_FUNCTION_CALL": "tool_calls",
 }
 """Gemini's ``finishReason`` in the vocabulary every provider reports (OpenAI's)."""
+
+NO_ANSWER_REASONS = frozenset({"OTHER", "LANGUAGE", "FINISH_REASON_UNSPECIFIED"})
+"""Reasons that, with no text, are no answer: ``LANGUAGE`` a bad request, the others retried."""
 
 _RETRY_DELAY = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
 
@@ -154,6 +157,13 @@ class GeminiProvider(Provider):
         raw_reason = (
             _enum_value(candidate.finish_reason) if candidate.finish_reason is not None else "unknown"
         )
+        if not text and raw_reason in NO_ANSWER_REASONS:
+            # nothing written and no reason a caller could act on: an error, not an empty answer (a step
+            # would succeed with no output, and a chat client would read an empty reply that "stopped")
+            if raw_reason == "LANGUAGE":
+                raise BadRequest(f"{self.where}: the model does not support the language of the request "
+                                 "(finishReason LANGUAGE, no text)")
+            raise ServerError(f"{self.where}: the model stopped with no text (finishReason {raw_reason})")
         return Completion(
             text=text,
             input_tokens=input_tokens,

@@ -97,6 +97,18 @@ def test_withheld_output_is_reported_as_content_filter(server: FakeGeminiServer,
     assert completion.extra["finish_reason"] == reason
 
 
+@pytest.mark.parametrize(("reason", "error"), [("OTHER", ServerError), ("LANGUAGE", BadRequest)])
+def test_a_stop_with_no_text_and_no_reason_to_act_on_is_an_error(
+    server: FakeGeminiServer, reason: str, error: type
+) -> None:
+    # before: an empty answer that "stopped" (a step succeeded with no output)
+    server.script(ok("", finish_reason=reason))
+    with pytest.raises(error, match=f"finishReason {reason}"):
+        make_provider(server).complete(MESSAGES, CallOptions())
+    server.script(ok("Partial", finish_reason="OTHER"))  # text written before it stopped is the answer
+    assert make_provider(server).complete(MESSAGES, CallOptions()).text == "Partial"
+
+
 def test_thinking_tokens_count_as_output_and_thoughts_are_not_text(server: FakeGeminiServer) -> None:
     server.script(
         Reply(
