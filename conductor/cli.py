@@ -539,7 +539,7 @@ def _replay(args: argparse.Namespace) -> int:
     agents: dict[str, str] = {}
     for item in args.agent:
         index, sep, name = item.partition("=")
-        if not sep or not index.strip().isdigit() or not name.strip():
+        if not sep or not (index.strip().isascii() and index.strip().isdigit()) or not name.strip():
             raise CliError(f"--agent takes STEP_INDEX=AGENT_NAME (e.g. 2=gpt-5), not '{item}'")
         agents[str(int(index))] = name.strip()
     if agents:

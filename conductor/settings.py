@@ -35,7 +35,10 @@ exhausted."""
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CONDUCTOR_", env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="CONDUCTOR_", env_file=".env", extra="ignore",
+                                      hide_input_in_errors=True)
+    """A bad value is named, never echoed: settings hold keys (a mistyped CONDUCTOR_SECRETS_KEY rotation
+    printed the key) and URLs with passwords."""
 
     database_url: str = DEFAULT_DATABASE_URL
     broker_url: str = DEFAULT_BROKER_URL

@@ -80,13 +80,16 @@ def pool_sizes() -> tuple[int, int]:
 @lru_cache(maxsize=8)
 def _engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, hide_parameters=True)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     settings = get_settings()
     connect_args = {} if settings.db_synchronous_commit else {"options": "-c synchronous_commit=off"}
     kept, overflow = pool_sizes()
-    engine = create_engine(url, pool_size=kept, max_overflow=overflow, connect_args=connect_args)
+    # hide_parameters: a failed statement's error (logged, and raised to callers) never shows its values,
+    # which hold webhook signing secrets, tasks and answers
+    engine = create_engine(url, pool_size=kept, max_overflow=overflow, connect_args=connect_args,
+                           hide_parameters=True)
     dialect = engine.dialect
 
     def probe(dbapi_connection, _record, _proxy) -> None:  # type: ignore[no-untyped-def]

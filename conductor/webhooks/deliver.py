@@ -94,8 +94,14 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
     except Unresolvable as exc:
         return _settle(row, started, _Answer(None, None, str(exc)), settings)
     timestamp = int(time.time())
-    answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode()), body.encode(),
-                   timeout=settings.webhook_timeout_s)
+    try:
+        answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode()), body.encode(),
+                       timeout=settings.webhook_timeout_s)
+    except Exception as exc:  # a fault of ours or a library's: the attempt is still settled, so its schedule
+        # ends; unsettled, the reconciler would re-send it after every lease, for ever
+        log.exception("webhook %s (tenant %s): the attempt failed inside the worker", row.id, row.tenant)
+        answer = _Answer(None, None, f"the attempt failed inside the service ({type(exc).__name__}); "
+                                     "it is retried on the schedule")
     latency_ms = int((time.monotonic() - clock) * 1000)
     return _settle(row, started, answer, settings, latency_ms=latency_ms)
 
@@ -212,7 +218,7 @@ def _retry_after(value: str | None) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # str.isdigit() is true of "²", which float() refuses
         return float(value)
     try:
         when = parsedate_to_datetime(value)

@@ -122,6 +122,9 @@ def _split(url: str) -> tuple[str, str, int]:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as exc:
         raise UnsafeTarget("has an invalid port") from exc
+    if parts.username is not None or parts.password is not None:
+        # the request would go without them (they are not sent as Basic auth), each attempt failing 401
+        raise UnsafeTarget("must not carry a user name or password (put a token in the path or query)")
     return parts.scheme, parts.hostname, port
 
 
@@ -148,26 +151,30 @@ def check_url(url: str, *, allow_loopback: bool) -> None:
 
 
 def resolve(url: str, *, allow_loopback: bool) -> Target:
-    """The send-time check: resolves the host and refuses the target if *any* address it resolves to is
-    unsafe; returns the first address, which the request must connect to."""
+    """The send-time check: resolves the host and raises :class:`Unresolvable` if it does not resolve or
+    *any* address it resolves to is unsafe; returns the first address, which the request must connect to."""
     check_url(url, allow_loopback=allow_loopback)
     scheme, host, port = _split(url)
     address = literal_address(host)
     if address is not None:
         return Target(scheme, host, port, address)
+    # The tenant reads what this raises (the delivery's attempts): a name that does not resolve and one that
+    # resolves to a private address read the same and are both retried, so webhook URLs cannot probe which
+    # internal names (``postgres``, a cluster's services) exist. The log has the detail, with the host only:
+    # hook URLs often carry their own tokens in the path or query.
+    unreachable = Unresolvable(f"webhook target {host} does not resolve to a public address (not sent)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise Unresolvable(f"cannot resolve {host}: {exc}") from exc
+        log.warning("webhook target %s (port %s) does not resolve: %s", host, port, exc)
+        raise unreachable from exc
     addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     if not addresses:
-        raise Unresolvable(f"{host} resolved to no address")
+        log.warning("webhook target %s (port %s) resolved to no address", host, port)
+        raise unreachable
     for candidate in addresses:
         kind = address_kind(candidate, allow_loopback=allow_loopback)
         if kind:
-            # The tenant reads this (the delivery's attempts): it names the kind, not the address, so
-            # webhook URLs cannot map the service's internal names to their addresses. The log has both.
-            # the host, not the URL: hook URLs often carry their own tokens in the path or query
             log.warning("webhook target refused: %s (port %s) resolves to %s, %s", host, port, candidate, kind)
-            raise UnsafeTarget(f"webhook target refused: {host} resolves to {kind}")
+            raise unreachable
     return Target(scheme, host, port, addresses[0])

@@ -71,6 +71,37 @@ def test_a_longer_retry_after_is_honoured(settings: Settings, receiver: Receiver
         store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)
 
 
+def test_a_200_with_a_retry_after_of_latin1_digits_is_delivered(settings: Settings, receiver: Receiver) -> None:
+    """Headers are read as latin-1, where "\xb9" (superscript one) is a digit to ``str.isdigit()`` but not
+    to ``float()``: the ValueError left the attempt unsettled, and the reconciler re-sent it after every
+    lease for ever though the receiver had answered 200."""
+    delivery_id = ended_job_delivery(settings, receiver.on("/odd-header", (200, {"Retry-After": "\xb9"})))
+    outcome = deliver(delivery_id, settings=settings, render=job_payload)
+    delivery, attempts = row(delivery_id)
+    assert outcome.retry_in is None and delivery.status == DeliveryStatus.DELIVERED
+    assert [a.status_code for a in attempts] == [200]
+
+
+def test_an_attempt_that_fails_inside_the_worker_is_settled_and_retried(
+    settings: Settings, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    delivery_id = ended_job_delivery(settings, receiver.on("/inner-fault", 200))
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:  # the injected fault: a bug while sending
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("conductor.webhooks.deliver._post", broken)
+    outcome = deliver(delivery_id, settings=settings, render=job_payload)
+    monkeypatch.undo()
+    delivery, attempts = row(delivery_id)
+    assert outcome.retry_in is not None and delivery.status == DeliveryStatus.PENDING
+    assert delivery.lease_expires_at is None  # settled: the next attempt follows the schedule, not a lease
+    assert len(attempts) == 1 and "RuntimeError" in (attempts[0].error or "")
+    assert "boom" not in (attempts[0].error or "")  # the tenant reads it; the worker's log has the detail
+    with session_scope() as s:
+        store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)
+
+
 def test_the_delivery_fails_once_the_backoff_schedule_is_spent(settings: Settings, receiver: Receiver) -> None:
     delivery_id = ended_job_delivery(settings, receiver.on("/down", 500))
     for _ in range(len(settings.webhook_backoff_s) + 1):
@@ -84,11 +115,11 @@ def test_the_delivery_fails_once_the_backoff_schedule_is_spent(settings: Setting
     assert ids == {delivery_id}
 
 
-def test_a_name_that_resolves_to_a_private_address_is_refused_before_connecting(
+def test_a_name_that_resolves_to_a_private_address_is_not_connected_to(
     settings: Settings, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The URL passed the submit check (a public-looking name); at send time it resolves to 10.0.0.1
-    (DNS is the faked edge here), so the attempt is refused and no connection is made."""
+    (DNS is the faked edge here), so nothing is sent and no connection is made."""
     delivery_id = ended_job_delivery(settings, "https://hooks.example.com/conductor")
     connects: list[Any] = []
     real_connect = socket.socket.connect
@@ -107,10 +138,12 @@ def test_a_name_that_resolves_to_a_private_address_is_refused_before_connecting(
     monkeypatch.undo()
 
     delivery, attempts = row(delivery_id)
-    assert outcome.retry_in is None and delivery.status == DeliveryStatus.FAILED
+    # retried like a name that does not resolve, and told the same: the tenant reads the attempts, and
+    # they must not show which internal names exist (nor their addresses)
+    assert outcome.retry_in is not None and delivery.status == DeliveryStatus.PENDING
     error = attempts[0].error or ""
-    assert attempts[0].status_code is None and "hooks.example.com resolves to a private address" in error
-    assert "10.0.0.1" not in error  # the tenant reads the attempts: no internal address in them
+    assert attempts[0].status_code is None and "hooks.example.com does not resolve to a public address" in error
+    assert "10.0.0.1" not in error and "private" not in error
     assert connects == []
 
 

@@ -39,3 +39,7 @@ def test_retry_after_accepts_seconds_and_http_dates() -> None:
     assert _retry_after("120") == 120.0
     assert _retry_after(None) is None and _retry_after("soon") is None
     assert _retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: no extra wait
+    # headers are read as latin-1, where "²" and "¹" are digits to str.isdigit() but not to float(): the
+    # ValueError left the attempt unsettled, re-sent after every lease for ever, even after a 200
+    for value in ("\xb2", "1\xb9", "\xb3\xb3"):
+        assert _retry_after(value) is None

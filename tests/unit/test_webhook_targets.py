@@ -6,7 +6,14 @@ import socket
 
 import pytest
 
-from conductor.webhooks.targets import UnsafeTarget, address_problem, check_url, literal_address, resolve
+from conductor.webhooks.targets import (
+    Unresolvable,
+    UnsafeTarget,
+    address_problem,
+    check_url,
+    literal_address,
+    resolve,
+)
 
 REFUSED = [
     "http://169.254.169.254/latest/meta-data/",  # the cloud metadata service
@@ -73,16 +80,30 @@ def test_legacy_ipv4_forms_are_read_as_the_address_a_resolver_would_use() -> Non
 
 
 def test_a_name_resolving_to_any_unsafe_address_is_refused_at_send_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DNS can point a public-looking name at the metadata service; the send-time check sees through it."""
+    """DNS can point a public-looking name at the metadata service; the send-time check sees through it.
+    The tenant reads the error: it is the same as for a name that does not resolve, so webhook URLs cannot
+    probe which internal names exist (before: "… resolves to a private address" vs "cannot resolve …")."""
     def fake_getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        if host == "nowhere.example.com":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         assert host == "rebind.example.com"
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.215.14", port)),
                 (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("169.254.169.254", port))]
 
     monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
-    with pytest.raises(UnsafeTarget, match=r"rebind\.example\.com resolves to a link-local address") as refused:
-        resolve("https://rebind.example.com/hook", allow_loopback=False)
-    assert "169.254" not in str(refused.value)  # the tenant reads it: the kind, never the internal address
+    errors = []
+    for host in ("rebind.example.com", "nowhere.example.com"):
+        with pytest.raises(Unresolvable, match="does not resolve to a public address") as refused:
+            resolve(f"https://{host}/hook", allow_loopback=False)
+        errors.append(str(refused.value).replace(host, "HOST"))
+    assert errors[0] == errors[1] and "169.254" not in errors[0]
+
+
+def test_a_url_with_credentials_is_refused() -> None:
+    # they would not be sent (no Basic auth from a URL): every attempt would fail 401 until the schedule ended
+    for url in ("https://user:pw@hooks.example.com/x", "https://token@hooks.example.com/x"):
+        with pytest.raises(UnsafeTarget, match="user name or password"):
+            check_url(url, allow_loopback=False)
 
 
 def test_send_time_target_pins_the_checked_address(monkeypatch: pytest.MonkeyPatch) -> None:
