@@ -29,7 +29,7 @@ from sqlmodel import Session
 from conductor.errors import Rejection
 from conductor.planning.base import PlanResult
 from conductor.planning.planner import effective_limits
-from conductor.pool.config import PoolConfig, PoolError
+from conductor.pool.config import PoolConfig, PoolError, check_planner_ref
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.models import Job, JobStatus, Step, StepStatus, utcnow
@@ -81,6 +81,12 @@ def create_replay(
     ]
     if errors:
         raise SubmissionError(Rejection.INVALID, "Unknown agent", errors)
+    if body.replan and body.pool is not None:
+        try:  # the original named an agent of its own pool as its planner: the new pool must have it too
+            check_planner_ref(original.planner, pool.agents)
+        except ValueError as exc:
+            raise SubmissionError(Rejection.INVALID, "Unknown planner", [FieldError(
+                ("body", "pool"), f"the original's planner is not in pool '{pool.name}': {exc}")]) from exc
     overrides = {str(int(k)): v for k, v in body.agents.items()}
     workflow = None if body.replan else _original_workflow(session, original, body, overrides, pool, settings)
     if admit is not None:

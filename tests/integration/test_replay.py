@@ -164,3 +164,19 @@ def test_a_replanned_workflow_refused_still_counts_its_planner(client: httpx.Cli
         assert row is not None and row.planner_calls == 2 and row.planner_input_tokens > 0
         assert (row.input_tokens, row.output_tokens, row.calls) == (
             row.planner_input_tokens, row.planner_output_tokens, 2)  # its totals too
+
+
+def test_a_replan_on_a_pool_without_the_originals_planner_is_refused(client: httpx.Client, pools_dir: Any) -> None:
+    """The original named an agent of its pool as its planner; a replanning replay on a pool without that
+    agent was accepted (202) and then failed its planning with an internal error (KeyError)."""
+    (pools_dir / "replay-other.yaml").write_text("agents:\n  z: {provider: sim}\n")
+    created = client.post("/v1/jobs", json={"task": "plan me", "planner": "a"})
+    assert created.status_code == 202, created.text
+    original = wait_terminal(client, created.json()["id"])
+    r = client.post(f"/v1/jobs/{original['id']}/replay", json={"pool": "replay-other", "replan": True})
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"][0]["loc"] == ["body", "pool"] and "'a'" in r.json()["errors"][0]["msg"]
+    # without replanning the planner is not asked: the original's workflow is checked against the pool
+    r = client.post(f"/v1/jobs/{original['id']}/replay", json={"pool": "replay-other", "agents": {"0": "z"}})
+    assert r.status_code == 202, r.text
+    assert wait_terminal(client, r.json()["id"])["status"] == "succeeded"
