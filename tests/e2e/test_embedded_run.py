@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import require_llama_cpp
+
 TASK = "Write a Python function is_palindrome(s) that ignores case and punctuation, with two doctest examples."
 KEY_VARS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY")
 
@@ -189,7 +191,7 @@ def test_a_failed_job_exits_non_zero_with_its_reason(tmp_path: Path) -> None:
 
 
 def test_local_model_file_missing_is_one_line_before_any_job(tmp_path: Path) -> None:
-    pytest.importorskip("llama_cpp")
+    require_llama_cpp()
     pool = tmp_path / "mine.yaml"
     missing = tmp_path / "x.gguf"
     pool.write_text(

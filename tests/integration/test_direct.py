@@ -74,7 +74,7 @@ def test_updates_report_their_row_counts_and_returned_rows() -> None:
 
 def test_errors_arrive_as_sqlalchemy_errors_and_roll_back() -> None:
     job_id = planned_job()
-    with pytest.raises(sa.exc.IntegrityError), session_scope() as s:
+    with pytest.raises(sa.exc.IntegrityError, match=r"(?i)foreign key"), session_scope() as s:
         assert store.claim_planning_job(s, job_id=job_id) is None  # running: not claimable, a no-op
         store.transition_job(s, job_id=job_id, from_=["running"], to="running", workflow_source="rolled back")
         store.open_attempt(s, step_id=-1, n=1, worker="w")  # no such step: the foreign key refuses it
@@ -108,7 +108,7 @@ def test_a_pipeline_answers_each_statement_and_raises_the_first_error_as_sqlalch
                                                    (store._step_heads_stmt(), {"p_job_id": job_id})])
         assert isinstance(lock, Rows) and lock.first() is not None and lock.first()[0] == job_id  # type: ignore[index]
         assert [r[0] for r in heads] == [0, 1]
-    with pytest.raises(sa.exc.IntegrityError), session_scope() as s:
+    with pytest.raises(sa.exc.IntegrityError, match=r"(?i)foreign key"), session_scope() as s:
         Direct(s).execute_pipelined([(store._lock_job_stmt(), {"p_job_id": job_id}),
                                      (store._open_attempt_stmt(), {"p_step_id": -1, "p_n": 1, "p_worker": "w",
                                                                    "p_now": store.utcnow()})])

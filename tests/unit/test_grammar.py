@@ -36,7 +36,9 @@ def test_a_real_llama_cpp_grammar_compiles_from_the_tied_schema() -> None:
 
     pool = PoolConfig.model_validate({"agents": {"a": {"provider": "sim"}, "b": {"provider": "sim"}}})
     grammar = LlamaGrammar.from_json_schema(json.dumps(grammar_schema(workflow_json_schema(pool, 5, True))))
-    assert grammar is not None
+    rules = grammar._grammar  # the GBNF llama.cpp compiled: one alternative per step count, each naming the keys
+    assert all(f"alternative-{n - 1}-model-ids-kv" in rules for n in range(1, 6)) and "alternative-5" not in rules
+    assert '\\"conductor\\"' in rules and '\\"a\\"' in rules  # the agent names are the only choices
 
 
 def test_other_schemas_are_only_capped() -> None:

@@ -21,6 +21,7 @@ from conductor.pool.config import AgentConfig, PoolConfig
 from conductor.pool.errors import BadRequest, ConfigError
 from conductor.pool.local_provider import INSTALL_LOCAL, LocalOptions, LocalProvider
 from conductor.pool.registry import build_provider
+from tests.conftest import require_llama_cpp
 
 MODEL = "gemma-3-270m-q4_k_m"
 
@@ -83,7 +84,7 @@ def test_missing_model_package_names_the_pip_command(monkeypatch: pytest.MonkeyP
 
 
 def test_missing_model_file_is_a_config_error(tmp_path: Any) -> None:
-    pytest.importorskip("llama_cpp")
+    require_llama_cpp()
     with pytest.raises(ConfigError, match="does not exist"):
         LocalProvider("a", agent(model_path=str(tmp_path / "nope.gguf"))).load()
 
@@ -214,6 +215,6 @@ def test_transcript_format_lays_out_questions_and_answers() -> None:
 
 
 def test_unknown_chat_format_is_a_config_error() -> None:
-    pytest.importorskip("llama_cpp")
+    require_llama_cpp()
     with pytest.raises(ConfigError, match=r"unknown options\.chat_format 'klingon'"):
         local_provider._chat_format("a", "klingon")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -187,12 +186,9 @@ def test_http_status_maps_to_error_type(server: FakeAnthropicServer, status: int
 
 def test_server_slower_than_timeout_is_a_provider_timeout(server: FakeAnthropicServer) -> None:
     server.script(hang(3))
-    started = time.monotonic()
-
     err = raised_by(make_provider(server), CallOptions(timeout_s=0.3))
 
     assert isinstance(err, ProviderTimeout)
-    assert time.monotonic() - started < 1.5
 
 
 @pytest.mark.parametrize(
