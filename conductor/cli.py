@@ -125,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(handler=_keys_list)
     c = keys.add_parser("revoke", help="revoke an API key by the prefix 'keys list' shows")
     c.add_argument("prefix")
+    c.add_argument("--tenant", help="only a key of this tenant (when two keys share a prefix)")
+    c.add_argument("--all", action="store_true", help="revoke every active key with this prefix")
     c.set_defaults(handler=_keys_revoke)
 
     hooks = sub.add_parser("webhooks", help="tenants' webhook settings").add_subparsers(metavar="ACTION")
@@ -350,12 +352,16 @@ def _keys_list(args: argparse.Namespace) -> int:
 
 def _keys_revoke(args: argparse.Namespace) -> int:
     from conductor.store.db import session_scope
-    from conductor.store.keys import revoke_key
+    from conductor.store.keys import AmbiguousPrefix, revoke_key
 
-    with session_scope() as s:
-        count = revoke_key(s, prefix=args.prefix.rstrip("…"))
+    try:
+        with session_scope() as s:
+            count = revoke_key(s, prefix=args.prefix.rstrip("…"), tenant=args.tenant, all_matching=args.all)
+    except AmbiguousPrefix as exc:
+        raise CliError(f"nothing revoked: {exc}") from exc
     if count == 0:
-        raise CliError(f"no active key starts with '{args.prefix}'; see 'conductor keys list'")
+        whose = f" of tenant '{args.tenant}'" if args.tenant else ""
+        raise CliError(f"no active key{whose} starts with '{args.prefix}'; see 'conductor keys list'")
     print(f"revoked {count} key{'s' if count != 1 else ''}")
     return 0
 

@@ -54,11 +54,26 @@ def list_keys(session: Session, *, tenant: str | None = None) -> list[ApiKey]:
     return list(session.exec(stmt))
 
 
-def revoke_key(session: Session, *, prefix: str) -> int:
-    """Revokes the active keys starting with ``prefix`` (as ``keys list`` shows it); returns how many."""
-    rows = session.exec(
-        select(ApiKey).where(ApiKey.prefix == prefix[: len(KEY_PREFIX) + 7], col(ApiKey.revoked_at).is_(None))
-    ).all()
+class AmbiguousPrefix(ValueError):
+    """More than one active key starts with the prefix given (7 random characters: rare, not impossible)."""
+
+    def __init__(self, prefix: str, rows: list[ApiKey]):
+        self.rows = rows
+        tenants = ", ".join(sorted({r.tenant for r in rows}))
+        super().__init__(f"{len(rows)} active keys start with '{prefix}' (tenants: {tenants}); name the tenant "
+                         "with --tenant, or revoke them all with --all")
+
+
+def revoke_key(session: Session, *, prefix: str, tenant: str | None = None, all_matching: bool = False) -> int:
+    """Revokes the active key starting with ``prefix`` (as ``keys list`` shows it, or the whole key), of
+    ``tenant`` if given; returns how many were revoked. Several matching keys are revoked only with
+    ``all_matching`` (else :class:`AmbiguousPrefix`): one revocation never silently ends another's key."""
+    stmt = select(ApiKey).where(ApiKey.prefix == prefix[: len(KEY_PREFIX) + 7], col(ApiKey.revoked_at).is_(None))
+    if tenant is not None:
+        stmt = stmt.where(ApiKey.tenant == tenant)
+    rows = list(session.exec(stmt).all())
+    if len(rows) > 1 and not all_matching:
+        raise AmbiguousPrefix(prefix, rows)
     for row in rows:
         row.revoked_at = utcnow()
         session.add(row)

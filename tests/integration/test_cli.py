@@ -100,6 +100,25 @@ def test_reconcile_exits_non_zero_when_its_resends_cannot_be_sent(proc_env: dict
     assert done.returncode == 1 and "is the broker (CONDUCTOR_BROKER_URL) up?" in done.stderr.splitlines()[-1]
 
 
+def test_a_prefix_two_keys_share_revokes_neither_until_told_which(proc_env: dict[str, str], api: str) -> None:
+    # a prefix is cq_ + 7 random characters: two keys may share one, and revoking by it ended both silently
+    first = cli("keys", "create", "--tenant", "twin-a", env=proc_env).stdout.strip().splitlines()[-1]
+    second = cli("keys", "create", "--tenant", "twin-b", env=proc_env).stdout.strip().splitlines()[-1]
+    with get_engine().begin() as conn:  # the collision, made on purpose
+        conn.execute(sa.text("UPDATE api_key SET prefix = :p WHERE prefix = :q"), {"p": first[:10], "q": second[:10]})
+
+    def works(key: str) -> bool:
+        return httpx.get(f"{api}/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+    refused = cli("keys", "revoke", first[:10], env=proc_env)
+    assert refused.returncode == 1 and "nothing revoked: 2 active keys" in refused.stderr
+    assert "twin-a, twin-b" in refused.stderr and works(first) and works(second)
+    one = cli("keys", "revoke", first[:10], "--tenant", "twin-b", env=proc_env)
+    assert one.returncode == 0 and "revoked 1 key" in one.stdout and works(first) and not works(second)
+    rest = cli("keys", "revoke", first[:10], "--all", env=proc_env)
+    assert rest.returncode == 0 and "revoked 1 key" in rest.stdout and not works(first)
+
+
 def test_migrate_is_idempotent(proc_env: dict[str, str]) -> None:
     result = cli("migrate", env=proc_env)
     assert result.returncode == 0 and "latest revision" in result.stdout
