@@ -154,3 +154,29 @@ def wait_terminal(client: httpx.Client, job_id: str, timeout: float = 90) -> dic
             return job
         time.sleep(0.1)
     raise AssertionError(f"job {job_id} did not finish; last seen: {job}")
+
+
+def backend_pid(session: Any) -> int:
+    """The Postgres backend a session's transaction runs on."""
+    import sqlalchemy as sa
+
+    return int(session.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def wait_blocked_by(pid: int, timeout: float = 30) -> None:
+    """Until another backend waits on a lock that backend ``pid`` holds: a race staged by a test is then
+    really a race (a fixed sleep could let the test pass with the other side not yet at the lock)."""
+    import sqlalchemy as sa
+
+    from conductor.store.db import get_engine
+
+    deadline = time.monotonic() + timeout
+    with get_engine().connect() as conn:
+        while True:
+            waiting = conn.execute(sa.text("SELECT count(*) FROM pg_stat_activity "
+                                           "WHERE :pid = ANY(pg_blocking_pids(pid))"), {"pid": pid}).scalar_one()
+            conn.rollback()
+            if waiting:
+                return
+            assert time.monotonic() < deadline, f"nothing waited on backend {pid}'s locks"
+            time.sleep(0.02)

@@ -18,6 +18,7 @@ from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
 from conductor.store.models import JobStatus, StepAttempt, StepStatus, utcnow
 from conductor.submission import JobCreate, create_job
+from tests.integration.harness import backend_pid, wait_blocked_by
 
 
 def new_job(**body: object) -> str:
@@ -129,6 +130,7 @@ def test_a_job_ended_while_an_outcome_commits_counts_that_outcomes_usage(end: st
     job_id = new_job(workflow={"model_ids": ["a", "a"], "subtasks": ["x", "y"], "access_lists": [[], []]})
     assert len(plan_job(job_id, settings=settings).steps) == 2
     locked, release = threading.Event(), threading.Event()
+    pids: list[int] = []
 
     def outcome() -> None:  # what an outcome transaction does first: lock the job row, record the step
         with session_scope() as s:
@@ -137,6 +139,7 @@ def test_a_job_ended_while_an_outcome_commits_counts_that_outcomes_usage(end: st
             assert step is not None and step.id is not None
             store.update_step(s, step_id=step.id, status=StepStatus.SUCCEEDED, input_tokens=1000,
                               output_tokens=500, cost_usd=0.25, finished_at=utcnow())
+            pids.append(backend_pid(s))
             locked.set()
             release.wait(30)
 
@@ -150,7 +153,7 @@ def test_a_job_ended_while_an_outcome_commits_counts_that_outcomes_usage(end: st
     recording.start()
     assert locked.wait(30)
     ender.start()
-    ender.join(timeout=1)  # it reaches the job row's lock and waits there (the outcome holds it)
+    wait_blocked_by(pids[0])  # it reached the job row's lock and waits there (the outcome holds it)
     release.set()
     recording.join()
     ender.join()

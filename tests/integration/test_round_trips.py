@@ -7,7 +7,6 @@ mode) runs each folded statement as two or three: the store cases (tests/hot_pat
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from conductor.store.db import get_engine, session_scope
 from conductor.store.models import StepStatus
 from conductor.submission import JobCreate, create_job
 from tests.hot_path_cases import CASES, new_chain, new_dag, parent_with_a_spending_child, taker
+from tests.integration.harness import backend_pid, wait_blocked_by
 
 
 @pytest.fixture
@@ -324,7 +324,7 @@ def test_a_parent_ending_while_its_child_settles_its_step_sums_the_childs_spend(
         assert carry == []  # the step was running: settled here
         canceller = threading.Thread(target=lambda: cancelled.append(engine.cancel_job(parent_id)))
         canceller.start()
-        time.sleep(0.5)  # the cancel is now waiting on the step row this transaction holds
+        wait_blocked_by(backend_pid(s))  # the cancel is now waiting on the step row this transaction holds
     canceller.join(timeout=30)
     assert cancelled == [True]
     with session_scope() as s:
@@ -356,7 +356,7 @@ def test_a_cancel_and_a_recursive_steps_claim_do_not_deadlock() -> None:
                       {"j": parent_id})  # the claim's hold on the step row
         canceller = threading.Thread(target=cancel)
         canceller.start()
-        time.sleep(0.5)  # the cancel holds the parent's row and waits for the step row
+        wait_blocked_by(backend_pid(claim))  # the cancel holds the parent's row and waits for the step row
         # What inserting the child job runs (Postgres's foreign key check on job.parent_job_id):
         claim.execute(sa.text("SELECT 1 FROM job WHERE id = :j FOR KEY SHARE"), {"j": parent_id})
     canceller.join(timeout=30)
