@@ -24,6 +24,7 @@ from tests.integration.harness import free_port
 pytestmark = pytest.mark.integration
 
 SLOW_RPM = 6  # one token per 10 s: nothing refills while a test counts
+WORKFLOW = '{"model_ids": ["coder"], "subtasks": ["Answer."], "access_lists": [[]]}'
 
 
 @pytest.fixture
@@ -169,21 +170,21 @@ def test_a_planner_call_takes_a_slot_of_its_agents_limit_like_a_step(agent: str)
     from conductor.planning.planner import _plan_with_agent
     from conductor.pool.config import PoolConfig
     from conductor.settings import Settings
-    from tests.unit import test_conductor_planner as scripted
+    from tests.fakes.openai_server import FakeOpenAIServer
 
     settings = Settings(broker_url=get_settings().broker_url, rate_limit_wait_s=0.2, step_max_attempts=1)
-    pool = PoolConfig.model_validate({"planner": agent, "agents": {
-        agent: {"provider": "sim", "rpm": SLOW_RPM}, "coder": {"provider": "sim"}}})
     limiter = get_limiter(settings.broker_url)
     for _ in range(SLOW_RPM):  # the agent's steps took every slot of this minute
         limiter.acquire(agent, SLOW_RPM, timeout_s=0, tenant="t")
-    provider = scripted.ScriptedProvider([scripted.VALID])
     job: Any = SimpleNamespace(task="t", context=None, depth=0, tenant="t", limits={}, planner_input_tokens=0,
                                planner_output_tokens=0, planner_cost_usd=0.0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("conductor.planning.planner.provider_for", lambda _name, _config: provider)  # network edge
+    with FakeOpenAIServer(reply=lambda _body: WORKFLOW) as server:
+        pool = PoolConfig.model_validate({"planner": agent, "agents": {
+            agent: {"provider": "openai_compatible", "model": "m", "base_url": server.base_url, "rpm": SLOW_RPM},
+            "coder": {"provider": "sim"}}})
         result = _plan_with_agent(job, pool, agent, settings, max_steps=3, allow_conductor=False)
-    assert provider.calls == []  # no slot within the wait: the planner was not called past the limit
+        requests = list(server.requests)
+    assert requests == []  # no slot within the wait: the planner was not called past the limit
     assert result.source == "fallback" and "rate limit" in (result.error or "")
 
 
@@ -196,23 +197,22 @@ def test_agents_in_one_bucket_share_its_slots(agent: str) -> None:
     from conductor.planning.planner import _plan_with_agent
     from conductor.pool.config import PoolConfig
     from conductor.settings import Settings
-    from tests.unit import test_conductor_planner as scripted
+    from tests.fakes.openai_server import FakeOpenAIServer
 
     settings = Settings(broker_url=get_settings().broker_url, rate_limit_wait_s=0.2, step_max_attempts=1)
     planner = f"{agent}-planner"
-    pool = PoolConfig.model_validate({"planner": planner, "agents": {
-        planner: {"provider": "sim", "rpm": SLOW_RPM, "rpm_bucket": agent},
-        agent: {"provider": "sim", "rpm": SLOW_RPM}}})
     limiter = get_limiter(settings.broker_url)
     for _ in range(SLOW_RPM):  # the worker's steps took every slot of this minute
         limiter.acquire(agent, SLOW_RPM, timeout_s=0, tenant="t")
-    provider = scripted.ScriptedProvider([scripted.VALID])
     job: Any = SimpleNamespace(task="t", context=None, depth=0, tenant="t", limits={}, planner_input_tokens=0,
                                planner_output_tokens=0, planner_cost_usd=0.0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("conductor.planning.planner.provider_for", lambda _name, _config: provider)  # network edge
+    with FakeOpenAIServer(reply=lambda _body: WORKFLOW) as server:
+        model = {"provider": "openai_compatible", "model": "m", "base_url": server.base_url, "rpm": SLOW_RPM}
+        pool = PoolConfig.model_validate({"planner": planner, "agents": {
+            planner: {**model, "rpm_bucket": agent}, agent: model}})
         result = _plan_with_agent(job, pool, planner, settings, max_steps=3, allow_conductor=False)
-    assert provider.calls == []  # the worker's bucket was empty: the planner was not called past it
+        requests = list(server.requests)
+    assert requests == []  # the worker's bucket was empty: the planner was not called past it
     assert result.source == "fallback" and "rate limit" in (result.error or "")
     r = redis.Redis.from_url(settings.broker_url)
     assert not list(r.scan_iter(f"{RateLimiter(r).key(planner)}*"))  # no bucket of its own name was made
