@@ -4,8 +4,9 @@ The OpenAPI schema is the one the server publishes, built from the same code. Ev
 API key, so generated input reaches validation, the job store and the enqueue path instead of stopping at
 the 401. About half of the cases that take a ``job_id`` are pointed at a real job of the caller's tenant,
 so reads, cancels and event streams run against stored rows, not only 404s (streams get a finished job,
-whose stream ends at once). Jobs created here are enqueued to this run's Redis db; no worker runs them,
-and the API must not mind.
+whose stream ends at once). Jobs created here are enqueued to this run's Redis db, where the session's
+workers (started by earlier modules, if any ran) may run them: generated reads and cancels then meet jobs
+queued, running or ended, depending on the order the modules ran in, and none of those may give a 5xx.
 
 ``CONDUCTOR_FUZZ_EXAMPLES`` raises the number of generated cases per operation for a deeper local run.
 """
@@ -61,10 +62,10 @@ def auth_headers(api: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class SeededJobs:
-    live: list[str]  # queued (no worker runs them), until a generated cancel ends one
+    live: list[str]  # not ended when seeded (a session worker may run them meanwhile)
     finished: list[str]  # cancelled up front: their event streams end at once
     files: list[str]  # a batch input file
-    batches: list[str]  # in progress (its job is not run), until a generated cancel ends it
+    batches: list[str]  # in progress when seeded
 
 
 @pytest.fixture(scope="module")
