@@ -247,18 +247,22 @@ def record_attempt(
     session.flush()
 
 
-def finish_delivery(session: Session, *, delivery_id: str, status: str) -> None:
-    session.execute(
-        sa.update(WebhookDelivery)
-        .where(col(WebhookDelivery.id) == delivery_id)
-        .values(status=status, finished_at=utcnow(), lease_expires_at=None)
-    )
+def finish_delivery(session: Session, *, delivery_id: str, status: str, attempt: int | None = None) -> None:
+    """Ends a pending delivery. ``attempt``: only while it is the delivery's latest claim (an attempt that
+    outlived its lease, and was claimed again meanwhile, must not end the newer one's delivery)."""
+    stmt = sa.update(WebhookDelivery).where(col(WebhookDelivery.id) == delivery_id,
+                                            col(WebhookDelivery.status) == DeliveryStatus.PENDING)
+    if attempt is not None:
+        stmt = stmt.where(col(WebhookDelivery.attempts) == attempt)
+    session.execute(stmt.values(status=status, finished_at=utcnow(), lease_expires_at=None))
 
 
-def schedule_retry(session: Session, *, delivery_id: str, at: datetime) -> None:
+def schedule_retry(session: Session, *, delivery_id: str, at: datetime, attempt: int) -> None:
+    """The next attempt of a pending delivery at ``at``, while ``attempt`` is still its latest claim."""
     session.execute(
         sa.update(WebhookDelivery)
-        .where(col(WebhookDelivery.id) == delivery_id)
+        .where(col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.status) == DeliveryStatus.PENDING,
+               col(WebhookDelivery.attempts) == attempt)
         .values(next_attempt_at=at, lease_expires_at=None, sent_at=None, resends=0)
     )
 

@@ -243,6 +243,8 @@ def _settle(
     with session_scope() as s:
         store.record_attempt(s, delivery_id=row.id, n=n, started_at=started, status_code=answer.status_code,
                              latency_ms=latency_ms, error=answer.error)
+        # An attempt that outlived its lease may have been claimed again meanwhile: a 2xx still ends the
+        # delivery (it arrived), anything else settles it only while this attempt is its latest claim.
         if answer.status_code is not None and 200 <= answer.status_code < 300:
             store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.DELIVERED)
         elif answer.status_code == 410:
@@ -250,12 +252,12 @@ def _settle(
                                    reason=f"answered 410 Gone to delivery {row.id} (job {row.job_id})")
             store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.DISABLED)
         elif refused or n > len(settings.webhook_backoff_s):
-            store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.FAILED)
+            store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.FAILED, attempt=n)
         else:
             retry_in = settings.webhook_backoff_s[n - 1]
             if answer.retry_after is not None:
                 retry_in = max(retry_in, min(answer.retry_after, settings.webhook_retry_after_max_s))
-            store.schedule_retry(s, delivery_id=row.id, at=utcnow() + timedelta(seconds=retry_in))
+            store.schedule_retry(s, delivery_id=row.id, at=utcnow() + timedelta(seconds=retry_in), attempt=n)
     log.info("webhook %s (job %s) attempt %s: %s", row.id, row.job_id, n,
              answer.error or f"HTTP {answer.status_code}")
     return Outcome(retry_in=retry_in)

@@ -102,6 +102,25 @@ def test_an_attempt_that_fails_inside_the_worker_is_settled_and_retried(
         store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)
 
 
+def test_an_attempt_that_outlived_its_lease_does_not_settle_the_newer_claim(settings: Settings,
+                                                                             receiver: Receiver) -> None:
+    from conductor.webhooks.deliver import _Answer, _settle
+
+    delivery_id = ended_job_delivery(settings, receiver.on("/stale", 500))
+    with session_scope() as s:
+        first = store.claim_delivery(s, delivery_id=delivery_id, lease_s=0)  # its lease is over at once
+    with session_scope() as s:
+        second = store.claim_delivery(s, delivery_id=delivery_id, lease_s=300)  # re-driven: claimed again
+    assert first is not None and second is not None and second.attempts == first.attempts + 1
+    _settle(first, utcnow(), _Answer(None, None, "ReadTimeout"), settings)  # the first attempt ends late
+    delivery, attempts = row(delivery_id)
+    # before: the late failure rescheduled the delivery and dropped the second attempt's lease
+    assert delivery.status == DeliveryStatus.PENDING and delivery.lease_expires_at is not None
+    assert [a.n for a in attempts] == [first.attempts]  # its attempt is on record all the same
+    _settle(second, utcnow(), _Answer(200, None, None), settings)
+    assert row(delivery_id)[0].status == DeliveryStatus.DELIVERED
+
+
 def test_the_delivery_fails_once_the_backoff_schedule_is_spent(settings: Settings, receiver: Receiver) -> None:
     delivery_id = ended_job_delivery(settings, receiver.on("/down", 500))
     for _ in range(len(settings.webhook_backoff_s) + 1):
@@ -145,6 +164,8 @@ def test_a_name_that_resolves_to_a_private_address_is_not_connected_to(
     assert attempts[0].status_code is None and "hooks.example.com does not resolve to a public address" in error
     assert "10.0.0.1" not in error and "private" not in error
     assert connects == []
+    with session_scope() as s:  # no retry left due for a later module's workers (they would seal the secret)
+        store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)
 
 
 def test_only_top_level_jobs_with_a_url_owe_a_webhook(settings: Settings) -> None:
