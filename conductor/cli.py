@@ -73,6 +73,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_KEEP_PREVIOUS_HOURS = 720
+DEFAULT_KEEP_PREVIOUS_HOURS = 24.0
+
+
+def keep_hours(text: str) -> float:
+    """How long a rotated-out webhook secret keeps signing: 0 to 720 hours."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of hours") from None
+    if not 0 <= value <= MAX_KEEP_PREVIOUS_HOURS:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"{value} is not between 0 and {MAX_KEEP_PREVIOUS_HOURS} hours")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="conductor", description="Conductor Queue: durable multi-model workflows.")
     sub = p.add_subparsers(metavar="COMMAND")
@@ -132,7 +147,11 @@ def _parser() -> argparse.ArgumentParser:
     hooks = sub.add_parser("webhooks", help="tenants' webhook settings").add_subparsers(metavar="ACTION")
     c = hooks.add_parser("secret", help="print a tenant's signing secret (whsec_…), creating it if it has none")
     c.add_argument("--tenant", required=True)
-    c.add_argument("--rotate", action="store_true", help="replace it with a new one (receivers must switch)")
+    c.add_argument("--rotate", action="store_true", help="replace it with a new one; the old one keeps signing "
+                   "beside it for --keep-previous-hours, while receivers switch")
+    c.add_argument("--keep-previous-hours", type=keep_hours, default=DEFAULT_KEEP_PREVIOUS_HOURS, metavar="H",
+                   help="with --rotate: hours the replaced secret still signs "
+                   f"(default {DEFAULT_KEEP_PREVIOUS_HOURS:g}, 0 drops it at once, at most {MAX_KEEP_PREVIOUS_HOURS})")
     c.set_defaults(handler=_webhooks_secret)
     c = hooks.add_parser("reseal", help="seal every stored signing secret with the first CONDUCTOR_SECRETS_KEY "
                          "(after setting or rotating it; receivers keep their secrets)")
@@ -394,14 +413,19 @@ def _webhooks_secret(args: argparse.Namespace) -> int:
     try:
         with session_scope() as s:
             if args.rotate:
-                store.set_webhook_secret(s, tenant=tenant, secret=new_secret())
+                store.set_webhook_secret(s, tenant=tenant, secret=new_secret(),
+                                         keep_previous_s=args.keep_previous_hours * 3600)
             secret = store.ensure_webhook_secret(s, tenant=tenant, new=new_secret())
+            previous = store.previous_webhook_secret(s, tenant=tenant)
     except SealError as exc:
         raise CliError(str(exc)) from exc
     if not get_settings().secrets_key:
         from conductor.sealed import SECRETS_KEY_WARNING
 
         print(f"warning: {SECRETS_KEY_WARNING}", file=sys.stderr)
+    if previous is not None:  # on stderr: the last line of stdout stays the secret, for scripts
+        print(f"the previous secret also signs every delivery until {previous[1]:%Y-%m-%d %H:%M} UTC "
+              "(a second signature in webhook-signature): switch receivers before then", file=sys.stderr)
     verb = "new" if args.rotate else "current"
     print(f"{verb} webhook signing secret for tenant '{tenant}' (verify webhook-signature with it):")
     print(secret)

@@ -307,6 +307,10 @@ class TenantSettings(SQLModel, table=True):
     """The ``whsec_…`` signing secret. Kept so workers can sign; never logged or shown in traces. Sealed
     with ``CONDUCTOR_SECRETS_KEY`` when it is set (``fernet:…``, about 170 characters)."""
     secret_created_at: datetime | None = _ts()
+    previous_webhook_secret: str | None = Field(default=None, max_length=512, repr=False)
+    """The secret a rotation replaced, stored like ``webhook_secret``: it signs too (a second signature)
+    until ``previous_secret_expires_at``, so receivers switch without rejecting a delivery."""
+    previous_secret_expires_at: datetime | None = _ts()
     updated_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
 
 

@@ -72,11 +72,31 @@ def _default_webhook_url_stmt() -> sa.Select[Any]:
     return sa.select(t.c.webhook_url).where(t.c.tenant == sa.bindparam("p_tenant", type_=sa.String()))
 
 
-def set_webhook_secret(session: Session, *, tenant: str, secret: str) -> None:
+def set_webhook_secret(session: Session, *, tenant: str, secret: str, keep_previous_s: float = 0) -> None:
+    """Stores ``secret`` as the tenant's signing secret. ``keep_previous_s`` > 0 (a rotation): the secret it
+    replaces keeps signing beside it for that long (receivers verify either; Standard Webhooks sends
+    several ``v1,`` signatures), else it is dropped at once."""
     row = _tenant_row(session, tenant)
+    now = utcnow()
+    if keep_previous_s > 0 and row.webhook_secret is not None:
+        row.previous_webhook_secret = row.webhook_secret  # as stored (sealed or not): reseal covers it
+        row.previous_secret_expires_at = now + timedelta(seconds=keep_previous_s)
+    else:
+        row.previous_webhook_secret = row.previous_secret_expires_at = None
     row.webhook_secret = seal(secret)
-    row.secret_created_at = row.updated_at = utcnow()
+    row.secret_created_at = row.updated_at = now
     session.flush()
+
+
+def previous_webhook_secret(session: Session, *, tenant: str) -> tuple[str, datetime] | None:
+    """The secret a rotation replaced and when it stops signing, while it still does; else None."""
+    found = session.execute(
+        sa.select(col(TenantSettings.previous_webhook_secret), col(TenantSettings.previous_secret_expires_at))
+        .where(col(TenantSettings.tenant) == tenant)
+    ).first()
+    if found is None or found[0] is None or found[1] is None or found[1] <= utcnow():
+        return None
+    return unseal(str(found[0])), found[1]
 
 
 def webhook_secret(session: Session, *, tenant: str) -> str | None:
@@ -373,7 +393,30 @@ def reseal_secrets(session: Session, *, tenant: str | None = None) -> Resealed:
             unopened.append(str(name))
             continue
         done += _reseal(session, str(name), str(stored), plain)
+    _reseal_previous(session, tenant)
     return Resealed(done, len(rows), unopened)
+
+
+def _reseal_previous(session: Session, tenant: str | None) -> None:
+    """The secrets rotations replaced, still signing, sealed with the first key too (those no key opens
+    are dropped: they would only fail their deliveries until they expire)."""
+    stmt = (sa.select(col(TenantSettings.tenant), col(TenantSettings.previous_webhook_secret))
+            .where(col(TenantSettings.previous_webhook_secret).is_not(None)))
+    if tenant is not None:
+        stmt = stmt.where(col(TenantSettings.tenant) == tenant)
+    for name, stored in session.execute(stmt).all():
+        if not needs_sealing(str(stored)):
+            continue
+        try:
+            value: str | None = seal(unseal(str(stored)))
+        except SealError:
+            value = None
+        session.execute(
+            sa.update(TenantSettings)
+            .where(col(TenantSettings.tenant) == name, col(TenantSettings.previous_webhook_secret) == stored)
+            .values(previous_webhook_secret=value,
+                    **({} if value is not None else {"previous_secret_expires_at": None}))
+        )
 
 
 def _rowcount(result: Any) -> int:

@@ -83,6 +83,14 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
         except SealError as exc:  # this worker lacks the key: an attempt on record, retried with backoff
             log.error("webhook %s (tenant %s): %s", row.id, row.tenant, exc)
             secret = None
+        also: list[str] = []
+        if secret is not None:
+            try:  # the secret a rotation replaced signs too while it lasts, so receivers can switch
+                previous = store.previous_webhook_secret(s, tenant=row.tenant)
+            except SealError as exc:  # the current one signs: a receiver already switched accepts it
+                log.error("webhook %s (tenant %s): the previous secret cannot be opened: %s", row.id, row.tenant, exc)
+                previous = None
+            also = [previous[0]] if previous is not None else []
     started = utcnow()
     if secret is None:
         return _settle(row, started, _Answer(None, None, UNSEALABLE), settings)
@@ -95,8 +103,8 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
         return _settle(row, started, _Answer(None, None, str(exc)), settings)
     timestamp = int(time.time())
     try:
-        answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode()), body.encode(),
-                       timeout=settings.webhook_timeout_s)
+        answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode(), also=also),
+                       body.encode(), timeout=settings.webhook_timeout_s)
     except Exception as exc:  # a fault of ours or a library's: the attempt is still settled, so its schedule
         # ends; unsettled, the reconciler would re-send it after every lease, for ever
         log.exception("webhook %s (tenant %s): the attempt failed inside the worker", row.id, row.tenant)

@@ -7,6 +7,7 @@ import base64
 import hashlib
 import hmac
 import secrets
+from collections.abc import Sequence
 
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32  # the spec asks for 24-64 random bytes
@@ -35,9 +36,11 @@ def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(digest).decode()
 
 
-def headers(secret: str, msg_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+def headers(secret: str, msg_id: str, timestamp: int, body: bytes, *, also: Sequence[str] = ()) -> dict[str, str]:
+    """The three Standard Webhooks headers. ``also``: more secrets that sign too (the one a rotation
+    replaced, while it lasts): the signatures are space-separated, and a verifier accepts any that matches."""
     return {
         "webhook-id": msg_id,
         "webhook-timestamp": str(timestamp),
-        "webhook-signature": sign(secret, msg_id, timestamp, body),
+        "webhook-signature": " ".join(sign(s, msg_id, timestamp, body) for s in (secret, *also)),
     }

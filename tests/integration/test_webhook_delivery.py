@@ -121,6 +121,49 @@ def test_an_attempt_that_outlived_its_lease_does_not_settle_the_newer_claim(sett
     assert row(delivery_id)[0].status == DeliveryStatus.DELIVERED
 
 
+def test_a_rotated_out_secret_signs_beside_the_new_one_until_it_expires(
+    settings: Settings, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Standard Webhooks receivers verify any of several signatures: after a rotation each delivery is
+    signed with both secrets while the old one lasts, so no delivery is rejected while receivers switch
+    (before: every attempt signed with the new secret only failed at receivers still holding the old)."""
+    from cryptography.fernet import Fernet
+    from standardwebhooks import Webhook, WebhookVerificationError
+
+    old, new = new_secret(), new_secret()
+    try:
+        with session_scope() as s:
+            store.set_webhook_secret(s, tenant="hooks-engine", secret=old)
+            store.set_webhook_secret(s, tenant="hooks-engine", secret=new, keep_previous_s=3600)
+        first = ended_job_delivery(settings, receiver.on("/rotating", 200))
+        deliver(first, settings=settings, render=job_payload)
+        [got] = receiver.at("/rotating")
+        for secret in (old, new):  # a receiver with either secret accepts it
+            Webhook(secret).verify(got.body, got.headers)
+
+        key = Fernet.generate_key().decode()  # a key set later seals the replaced secret too, still signing
+        monkeypatch.setenv("CONDUCTOR_SECRETS_KEY", key)
+        get_settings.cache_clear()
+        with session_scope() as s:
+            store.reseal_secrets(s, tenant="hooks-engine")
+            sealed = s.get(TenantSettings, "hooks-engine")
+            assert sealed is not None and (sealed.previous_webhook_secret or "").startswith("fernet:")
+            assert store.previous_webhook_secret(s, tenant="hooks-engine") is not None
+            sealed.previous_secret_expires_at = utcnow() - timedelta(seconds=1)  # the overlap is over
+        second = ended_job_delivery(settings, receiver.on("/rotated", 200))
+        deliver(second, settings=settings, render=job_payload)
+        [got] = receiver.at("/rotated")
+        assert len(got.headers["webhook-signature"].split(" ")) == 1
+        Webhook(new).verify(got.body, got.headers)
+        with pytest.raises(WebhookVerificationError):
+            Webhook(old).verify(got.body, got.headers)
+    finally:
+        monkeypatch.delenv("CONDUCTOR_SECRETS_KEY", raising=False)
+        get_settings.cache_clear()
+        with session_scope() as s:  # the tenant's secret as other tests expect it: plaintext, nothing kept
+            store.set_webhook_secret(s, tenant="hooks-engine", secret=new_secret())
+
+
 def test_the_delivery_fails_once_the_backoff_schedule_is_spent(settings: Settings, receiver: Receiver) -> None:
     delivery_id = ended_job_delivery(settings, receiver.on("/down", 500))
     for _ in range(len(settings.webhook_backoff_s) + 1):

@@ -291,6 +291,16 @@ def test_secrets_are_sealed_at_rest_and_one_stored_before_the_key_still_signs(
     assert rotated.returncode == 0, rotated.stderr
     new = rotated.stdout.strip().splitlines()[-1]
     assert new != legacy and stored_secret(tenant.name).startswith("fernet:")
+    assert "the previous secret also signs every delivery until" in rotated.stderr
+    # while receivers switch, a delivery verifies with the new secret and with the one it replaced
+    job_id = submit(tenant.client, workflow=TWO_STEPS, webhook_url=receiver.on("/switching", 200))
+    wait_terminal(tenant.client, job_id)
+    [got] = receiver.wait_for("/switching", 1)
+    assert verified(new, got)["data"]["id"] == verified(legacy, got)["data"]["id"] == job_id
+    too_long = cli("webhooks", "secret", "--tenant", tenant.name, "--rotate", "--keep-previous-hours", "1000",
+                   env=hook_env)
+    assert too_long.returncode == 2 and "between 0 and 720 hours" in too_long.stderr
+    assert cli("webhooks", "secret", "--tenant", tenant.name, env=hook_env).stdout.strip().splitlines()[-1] == new
 
     # A process without the key cannot open it, and says what to set.
     without = cli("webhooks", "secret", "--tenant", tenant.name, env={**hook_env, "CONDUCTOR_SECRETS_KEY": ""})

@@ -30,6 +30,17 @@ def test_another_secret_or_a_changed_body_does_not_verify() -> None:
         Webhook(secret).verify(b'{"type":"job.succeeded"}', signed)
 
 
+def test_during_a_rotation_receivers_holding_either_secret_verify() -> None:
+    new, previous = new_secret(), new_secret()
+    body = b'{"type":"job.succeeded"}'
+    signed = headers(new, "msg_3", int(time.time()), body, also=[previous])
+    assert len(signed["webhook-signature"].split(" ")) == 2
+    for secret in (new, previous):
+        assert Webhook(secret).verify(body, signed) == json.loads(body)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(new_secret()).verify(body, signed)
+
+
 def test_secrets_are_whsec_and_random() -> None:
     a, b = new_secret(), new_secret()
     assert a.startswith("whsec_") and a != b
