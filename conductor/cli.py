@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     c = keys.add_parser("list", help="list API keys (prefixes only; keys are never stored)")
     c.add_argument("--tenant")
     c.set_defaults(handler=_keys_list)
-    c = keys.add_parser("revoke", help="revoke an API key by the prefix 'keys list' shows")
+    c = keys.add_parser("revoke", help="revoke an API key by the prefix 'keys list' shows, or the whole key")
     c.add_argument("prefix")
     c.add_argument("--tenant", help="only a key of this tenant (when two keys share a prefix)")
     c.add_argument("--all", action="store_true", help="revoke every active key with this prefix")
@@ -149,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tenant", required=True)
     c.add_argument("--rotate", action="store_true", help="replace it with a new one; the old one keeps signing "
                    "beside it for --keep-previous-hours, while receivers switch")
-    c.add_argument("--keep-previous-hours", type=keep_hours, default=DEFAULT_KEEP_PREVIOUS_HOURS, metavar="H",
+    c.add_argument("--keep-previous-hours", type=keep_hours, default=None, metavar="H",
                    help="with --rotate: hours the replaced secret still signs "
                    f"(default {DEFAULT_KEEP_PREVIOUS_HOURS:g}, 0 drops it at once, at most {MAX_KEEP_PREVIOUS_HOURS})")
     c.set_defaults(handler=_webhooks_secret)
@@ -375,7 +376,8 @@ def _keys_revoke(args: argparse.Namespace) -> int:
 
     try:
         with session_scope() as s:
-            count = revoke_key(s, prefix=args.prefix.rstrip("…"), tenant=args.tenant, all_matching=args.all)
+            count = revoke_key(s, prefix=args.prefix.rstrip("…"), tenant=args.tenant, all_matching=args.all,
+                               pepper=get_settings().api_key_pepper)
     except AmbiguousPrefix as exc:
         raise CliError(f"nothing revoked: {exc}") from exc
     if count == 0:
@@ -410,22 +412,29 @@ def _webhooks_secret(args: argparse.Namespace) -> int:
     from conductor.webhooks.signing import new_secret
 
     tenant = _tenant_arg(args)
+    if args.keep_previous_hours is not None and not args.rotate:
+        raise CliError("--keep-previous-hours goes with --rotate (it says how long the replaced secret signs)")
+    keep_hours = DEFAULT_KEEP_PREVIOUS_HOURS if args.keep_previous_hours is None else args.keep_previous_hours
+    kept = False
     try:
         with session_scope() as s:
             if args.rotate:
-                store.set_webhook_secret(s, tenant=tenant, secret=new_secret(),
-                                         keep_previous_s=args.keep_previous_hours * 3600)
+                kept = store.set_webhook_secret(s, tenant=tenant, secret=new_secret(),
+                                                keep_previous_s=keep_hours * 3600)
             secret = store.ensure_webhook_secret(s, tenant=tenant, new=new_secret())
-            previous = store.previous_webhook_secret(s, tenant=tenant)
+            until = store.previous_secret_expires_at(s, tenant=tenant)
     except SealError as exc:
         raise CliError(str(exc)) from exc
     if not get_settings().secrets_key:
         from conductor.sealed import SECRETS_KEY_WARNING
 
         print(f"warning: {SECRETS_KEY_WARNING}", file=sys.stderr)
-    if previous is not None:  # on stderr: the last line of stdout stays the secret, for scripts
-        print(f"the previous secret also signs every delivery until {previous[1]:%Y-%m-%d %H:%M} UTC "
+    if until is not None:  # on stderr: the last line of stdout stays the secret, for scripts
+        print(f"the previous secret also signs every delivery until {until.astimezone(UTC):%Y-%m-%d %H:%M} UTC "
               "(a second signature in webhook-signature): switch receivers before then", file=sys.stderr)
+    elif args.rotate and keep_hours > 0 and not kept:
+        print("warning: the replaced secret was not kept (none of CONDUCTOR_SECRETS_KEY opens it): receivers "
+              "must switch to the new one now", file=sys.stderr)
     verb = "new" if args.rotate else "current"
     print(f"{verb} webhook signing secret for tenant '{tenant}' (verify webhook-signature with it):")
     print(secret)
@@ -445,6 +454,11 @@ def _webhooks_reseal(args: argparse.Namespace) -> int:
     except SealError as exc:
         raise CliError(str(exc)) from exc
     print(f"re-sealed {result.resealed} of {result.tenants} tenants' signing secrets with the first key")
+    if result.unopened_previous:
+        shown = ", ".join(result.unopened_previous[:10]) + (" …" if len(result.unopened_previous) > 10 else "")
+        print(f"warning: {len(result.unopened_previous)} tenants' replaced secrets (still signing after a "
+              f"rotation) open with none of the keys and sign nothing until the key they were sealed with is "
+              f"added back: {shown}", file=sys.stderr)
     if result.unopened:
         shown = ", ".join(result.unopened[:10]) + (" …" if len(result.unopened) > 10 else "")
         raise CliError(f"{len(result.unopened)} tenants' secrets open with none of the keys (add the key they "

@@ -59,16 +59,22 @@ class AmbiguousPrefix(ValueError):
 
     def __init__(self, prefix: str, rows: list[ApiKey]):
         self.rows = rows
-        tenants = ", ".join(sorted({r.tenant for r in rows}))
-        super().__init__(f"{len(rows)} active keys start with '{prefix}' (tenants: {tenants}); name the tenant "
-                         "with --tenant, or revoke them all with --all")
+        tenants = sorted({r.tenant for r in rows})
+        which = "name the tenant with --tenant, " if len(tenants) > 1 else ""
+        super().__init__(f"{len(rows)} active keys start with '{prefix}' (tenants: {', '.join(tenants)}); "
+                         f"{which}give the whole key, or revoke them all with --all")
 
 
-def revoke_key(session: Session, *, prefix: str, tenant: str | None = None, all_matching: bool = False) -> int:
-    """Revokes the active key starting with ``prefix`` (as ``keys list`` shows it, or the whole key), of
-    ``tenant`` if given; returns how many were revoked. Several matching keys are revoked only with
-    ``all_matching`` (else :class:`AmbiguousPrefix`): one revocation never silently ends another's key."""
-    stmt = select(ApiKey).where(ApiKey.prefix == prefix[: len(KEY_PREFIX) + 7], col(ApiKey.revoked_at).is_(None))
+def revoke_key(session: Session, *, prefix: str, tenant: str | None = None, all_matching: bool = False,
+               pepper: str = "") -> int:
+    """Revokes the active key starting with ``prefix`` (as ``keys list`` shows it), or the key itself when
+    the whole key is given, of ``tenant`` if given; returns how many were revoked. Several keys matching a
+    prefix are revoked only with ``all_matching`` (else :class:`AmbiguousPrefix`): one revocation never
+    silently ends another's key."""
+    whole = len(prefix) > len(KEY_PREFIX) + 7
+    stmt = select(ApiKey).where(
+        ApiKey.key_hash == hash_key(prefix, pepper) if whole else ApiKey.prefix == prefix[: len(KEY_PREFIX) + 7],
+        col(ApiKey.revoked_at).is_(None))
     if tenant is not None:
         stmt = stmt.where(ApiKey.tenant == tenant)
     rows = list(session.exec(stmt).all())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
@@ -72,31 +72,57 @@ def _default_webhook_url_stmt() -> sa.Select[Any]:
     return sa.select(t.c.webhook_url).where(t.c.tenant == sa.bindparam("p_tenant", type_=sa.String()))
 
 
-def set_webhook_secret(session: Session, *, tenant: str, secret: str, keep_previous_s: float = 0) -> None:
+def set_webhook_secret(session: Session, *, tenant: str, secret: str, keep_previous_s: float = 0) -> bool:
     """Stores ``secret`` as the tenant's signing secret. ``keep_previous_s`` > 0 (a rotation): the secret it
     replaces keeps signing beside it for that long (receivers verify either; Standard Webhooks sends
-    several ``v1,`` signatures), else it is dropped at once."""
-    row = _tenant_row(session, tenant)
+    several ``v1,`` signatures), else it is dropped at once. A replaced secret that no configured key opens
+    is dropped (it could sign nothing: rotating is how an operator replaces such a secret). Returns whether
+    the replaced secret was kept."""
+    row = session.get(TenantSettings, tenant, with_for_update=True)  # two rotations at once: one after the other
+    if row is None:
+        row = _tenant_row(session, tenant)
     now = utcnow()
+    kept: str | None = None
     if keep_previous_s > 0 and row.webhook_secret is not None:
-        row.previous_webhook_secret = row.webhook_secret  # as stored (sealed or not): reseal covers it
-        row.previous_secret_expires_at = now + timedelta(seconds=keep_previous_s)
-    else:
-        row.previous_webhook_secret = row.previous_secret_expires_at = None
+        try:
+            kept = seal(unseal(row.webhook_secret))  # sealed with the first key, like the current one
+        except SealError:
+            kept = None
+    row.previous_webhook_secret = kept
+    row.previous_secret_expires_at = now + timedelta(seconds=keep_previous_s) if kept is not None else None
     row.webhook_secret = seal(secret)
     row.secret_created_at = row.updated_at = now
     session.flush()
+    return kept is not None
 
 
-def previous_webhook_secret(session: Session, *, tenant: str) -> tuple[str, datetime] | None:
-    """The secret a rotation replaced and when it stops signing, while it still does; else None."""
+def previous_secret_expires_at(session: Session, *, tenant: str) -> datetime | None:
+    """When the secret a rotation replaced stops signing, while it still does; else None. Opens nothing."""
+    found = session.execute(
+        sa.select(col(TenantSettings.previous_secret_expires_at))
+        .where(col(TenantSettings.tenant) == tenant, col(TenantSettings.previous_webhook_secret).is_not(None))
+    ).scalar_one_or_none()
+    return found if found is not None and found > utcnow() else None
+
+
+def previous_webhook_secret(session: Session, *, tenant: str) -> str | None:
+    """The secret a rotation replaced, while it still signs; else None. Sealed again with the first key
+    when it was sealed with another (as ``ensure_webhook_secret`` does for the current one)."""
     found = session.execute(
         sa.select(col(TenantSettings.previous_webhook_secret), col(TenantSettings.previous_secret_expires_at))
         .where(col(TenantSettings.tenant) == tenant)
     ).first()
     if found is None or found[0] is None or found[1] is None or found[1] <= utcnow():
         return None
-    return unseal(str(found[0])), found[1]
+    stored = str(found[0])
+    plain = unseal(stored)
+    if needs_sealing(stored):
+        session.execute(
+            sa.update(TenantSettings)
+            .where(col(TenantSettings.tenant) == tenant, col(TenantSettings.previous_webhook_secret) == stored)
+            .values(previous_webhook_secret=seal(plain))
+        )
+    return plain
 
 
 def webhook_secret(session: Session, *, tenant: str) -> str | None:
@@ -373,6 +399,9 @@ class Resealed:
     tenants: int
     unopened: list[str]
     """Tenants whose secret no configured key opens (sealed with a key that was dropped): left as they are."""
+    unopened_previous: list[str] = field(default_factory=list)
+    """Tenants whose replaced secret, still signing, no configured key opens: left as they are (their
+    deliveries carry the current secret's signature only until the key is given back)."""
 
 
 def reseal_secrets(session: Session, *, tenant: str | None = None) -> Resealed:
@@ -393,30 +422,35 @@ def reseal_secrets(session: Session, *, tenant: str | None = None) -> Resealed:
             unopened.append(str(name))
             continue
         done += _reseal(session, str(name), str(stored), plain)
-    _reseal_previous(session, tenant)
-    return Resealed(done, len(rows), unopened)
+    previous = _reseal_previous(session, tenant)
+    return Resealed(done, len(rows), unopened, previous)
 
 
-def _reseal_previous(session: Session, tenant: str | None) -> None:
-    """The secrets rotations replaced, still signing, sealed with the first key too (those no key opens
-    are dropped: they would only fail their deliveries until they expire)."""
-    stmt = (sa.select(col(TenantSettings.tenant), col(TenantSettings.previous_webhook_secret))
+def _reseal_previous(session: Session, tenant: str | None) -> list[str]:
+    """The secrets rotations replaced, still signing, sealed with the first key too; returns the tenants
+    whose replaced secret no configured key opens (left as they are, like current ones). Expired ones are
+    dropped."""
+    stmt = (sa.select(col(TenantSettings.tenant), col(TenantSettings.previous_webhook_secret),
+                      col(TenantSettings.previous_secret_expires_at))
             .where(col(TenantSettings.previous_webhook_secret).is_not(None)))
     if tenant is not None:
         stmt = stmt.where(col(TenantSettings.tenant) == tenant)
-    for name, stored in session.execute(stmt).all():
+    unopened = []
+    for name, stored, expires_at in session.execute(stmt).all():
+        update = sa.update(TenantSettings).where(col(TenantSettings.tenant) == name,
+                                                 col(TenantSettings.previous_webhook_secret) == stored)
+        if expires_at is None or expires_at <= utcnow():
+            session.execute(update.values(previous_webhook_secret=None, previous_secret_expires_at=None))
+            continue
         if not needs_sealing(str(stored)):
             continue
         try:
-            value: str | None = seal(unseal(str(stored)))
+            plain = unseal(str(stored))
         except SealError:
-            value = None
-        session.execute(
-            sa.update(TenantSettings)
-            .where(col(TenantSettings.tenant) == name, col(TenantSettings.previous_webhook_secret) == stored)
-            .values(previous_webhook_secret=value,
-                    **({} if value is not None else {"previous_secret_expires_at": None}))
-        )
+            unopened.append(str(name))
+            continue
+        session.execute(update.values(previous_webhook_secret=seal(plain)))
+    return unopened
 
 
 def _rowcount(result: Any) -> int:

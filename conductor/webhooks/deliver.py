@@ -90,21 +90,20 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
             except SealError as exc:  # the current one signs: a receiver already switched accepts it
                 log.error("webhook %s (tenant %s): the previous secret cannot be opened: %s", row.id, row.tenant, exc)
                 previous = None
-            also = [previous[0]] if previous is not None else []
+            also = [previous] if previous is not None else []
     started = utcnow()
     if secret is None:
         return _settle(row, started, _Answer(None, None, UNSEALABLE), settings)
     clock = time.monotonic()
     try:
         target = resolve(row.url, allow_loopback=settings.webhook_allow_loopback)
+        timestamp = int(time.time())
+        answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode(), also=also),
+                       body.encode(), timeout=settings.webhook_timeout_s)
     except UnsafeTarget as exc:
         return _settle(row, started, _Answer(None, None, str(exc)), settings, refused=True)
     except Unresolvable as exc:
         return _settle(row, started, _Answer(None, None, str(exc)), settings)
-    timestamp = int(time.time())
-    try:
-        answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode(), also=also),
-                       body.encode(), timeout=settings.webhook_timeout_s)
     except Exception as exc:  # a fault of ours or a library's: the attempt is still settled, so its schedule
         # ends; unsettled, the reconciler would re-send it after every lease, for ever
         log.exception("webhook %s (tenant %s): the attempt failed inside the worker", row.id, row.tenant)

@@ -115,6 +115,11 @@ def test_a_prefix_two_keys_share_revokes_neither_until_told_which(proc_env: dict
     assert "twin-a, twin-b" in refused.stderr and works(first) and works(second)
     one = cli("keys", "revoke", first[:10], "--tenant", "twin-b", env=proc_env)
     assert one.returncode == 0 and "revoked 1 key" in one.stdout and works(first) and not works(second)
+    third = cli("keys", "create", "--tenant", "twin-a", env=proc_env).stdout.strip().splitlines()[-1]
+    with get_engine().begin() as conn:  # and one within a tenant: the whole key names it
+        conn.execute(sa.text("UPDATE api_key SET prefix = :p WHERE prefix = :q"), {"p": first[:10], "q": third[:10]})
+    whole = cli("keys", "revoke", third, env=proc_env)
+    assert whole.returncode == 0 and "revoked 1 key" in whole.stdout and works(first) and not works(third)
     rest = cli("keys", "revoke", first[:10], "--all", env=proc_env)
     assert rest.returncode == 0 and "revoked 1 key" in rest.stdout and not works(first)
 
