@@ -48,13 +48,14 @@ def test_a_planner_hanging_longer_than_the_lease_falls_back_once(pools_dir: Path
             job_id = job.id
             store.update_job(s, job_id=job_id, enqueued_at=job.created_at)  # as if its plan message was sent
         done = threading.Event()
-        passes: list[float] = []  # when each reconciler pass ended
+        passes: list[float] = []  # when each reconciler pass started
 
         def reconciler() -> None:  # what beat does, every 0.3 s instead of 15 s, while the planner hangs
             while not done.wait(0.3):
+                started = time.monotonic()
                 _report, dispatch = reconcile_once(settings)
                 send(dispatch)
-                passes.append(time.monotonic())
+                passes.append(started)
 
         thread = threading.Thread(target=reconciler)
         thread.start()

@@ -216,3 +216,30 @@ def test_agents_in_one_bucket_share_its_slots(agent: str) -> None:
     assert result.source == "fallback" and "rate limit" in (result.error or "")
     r = redis.Redis.from_url(settings.broker_url)
     assert not list(r.scan_iter(f"{RateLimiter(r).key(planner)}*"))  # no bucket of its own name was made
+
+
+def test_a_step_takes_its_slot_from_its_agents_bucket(agent: str, pools_dir: Any) -> None:
+    """The step path, as the planner's above: a step on an agent naming another agent's bucket waits for
+    that bucket, and fails as rate limited when it stays empty past the wait."""
+    from conductor.engine import plan_job, run_step
+    from conductor.store import jobs as store
+    from conductor.store.db import session_scope
+    from conductor.submission import JobCreate, create_job
+
+    (pools_dir / f"{agent}.yaml").write_text(
+        f"agents:\n  {agent}: {{provider: sim, rpm: {SLOW_RPM}}}\n"
+        f"  {agent}-twin: {{provider: sim, rpm: {SLOW_RPM}, rpm_bucket: {agent}}}\n")
+    settings = get_settings().model_copy(update={"rate_limit_wait_s": 0.2, "step_max_attempts": 1})
+    limiter = get_limiter(settings.broker_url)
+    for _ in range(SLOW_RPM):  # the other agent's steps took every slot of this minute
+        limiter.acquire(agent, SLOW_RPM, timeout_s=0, tenant="t")
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "t", "pool": agent, "workflow": {
+            "model_ids": [f"{agent}-twin"], "subtasks": ["answer"], "access_lists": [[]]}}),
+            tenant="t", settings=settings)
+        job_id = job.id
+    plan_job(job_id, settings=settings)
+    run_step(job_id, 0, worker="w", task_id=None, settings=settings)
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job_id, index=0)
+        assert step is not None and step.status == "failed" and step.error_type == "rate_limit_timeout", step

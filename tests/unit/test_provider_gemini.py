@@ -96,7 +96,8 @@ def test_withheld_output_is_reported_as_content_filter(server: FakeGeminiServer,
     assert completion.extra["finish_reason"] == reason
 
 
-@pytest.mark.parametrize(("reason", "error"), [("OTHER", ServerError), ("LANGUAGE", BadRequest)])
+@pytest.mark.parametrize(("reason", "error"), [("OTHER", ServerError), ("LANGUAGE", BadRequest),
+                                               ("FINISH_REASON_UNSPECIFIED", ServerError)])
 def test_a_stop_with_no_text_and_no_reason_to_act_on_is_an_error(
     server: FakeGeminiServer, reason: str, error: type
 ) -> None:
