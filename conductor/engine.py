@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlmodel import Session
 
 from conductor import telemetry
@@ -55,7 +54,7 @@ from conductor.retry import RetryPolicy
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store import webhooks as webhook_store
-from conductor.store.db import session_scope, transaction
+from conductor.store.db import DATABASE_AWAY, session_scope, transaction
 from conductor.store.jobs import RELEASED, WORKER_LOST
 from conductor.store.models import Job, JobStatus, StepStatus, utcnow
 from conductor.workflow import CONDUCTOR_AGENT, WorkflowError, ready_steps
@@ -358,7 +357,7 @@ def run_step(
     owner = _owner(worker)
     try:
         claimed = transaction(lambda s: _claim(s, job_id, index, owner=owner, task_id=task_id, settings=settings))
-    except (OperationalError, InterfaceError):
+    except DATABASE_AWAY:
         raise  # the database is away: nothing was claimed, and the reconciler re-sends the step later
     except Exception as exc:  # a bug or a bad row: every re-send would fail the same way
         return _fail_unclaimable(job_id, index, owner, _internal(exc, job_id, index), settings)
@@ -773,7 +772,7 @@ def _take(s: Session, job_id: str, ready: list[int], agents: dict[int, str],
         worker = take.worker if not claims else take.beside or take.worker
         try:
             claimed = _claim(s, job_id, i, owner=_owner(worker), task_id=take.task_id, settings=take.settings)
-        except (OperationalError, InterfaceError):
+        except DATABASE_AWAY:
             raise  # the database is away: the whole outcome is retried or left to the reconciler, as before
         except Exception as exc:
             raise _TakeFailed from exc

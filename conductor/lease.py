@@ -118,7 +118,7 @@ class Heartbeat:
         def renew(s: Session) -> int:
             return store.renew_leases(s, held=held, seconds=self.lease_s) + store.renew_planning(s, held=planning)
 
-        return transaction(renew)
+        return transaction(renew, reserved=True)  # its own connection: a full pool cannot starve it
 
     def _run(self) -> None:
         while not self._wake.wait(self.interval_s):

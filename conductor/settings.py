@@ -85,8 +85,15 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=10, ge=1)
     db_max_overflow: int = Field(default=20, ge=0)
     """Each process (API, worker) opens at most ``db_pool_size + db_max_overflow`` Postgres connections
-    (30 by default); keep the sum over every process under the server's ``max_connections`` (100 by
-    default). A gevent worker's greenlets beyond that wait for a pooled connection."""
+    (30 by default), and a worker one more for its lease heartbeat; keep the sum over every process under
+    the server's ``max_connections`` (100 by default). A gevent worker's greenlets beyond that wait for a
+    pooled connection."""
+    db_pool_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    """How long a caller waits for a pooled connection when every one is in use; then the work is left
+    for a retry or the reconciler, as when the database is down (never failed)."""
+    db_connect_timeout_s: int = Field(default=10, ge=1, le=600)
+    """How long opening a Postgres connection may take (libpq ``connect_timeout``): an unreachable server
+    that drops packets otherwise holds the caller, and its pool slot, for minutes."""
     db_synchronous_commit: bool = True
     """Off, Postgres acknowledges a commit before its WAL reaches disk: each transaction stops waiting for
     an fsync (7-13 ms on the benchmark box), and a Postgres crash can lose the last few hundred ms of

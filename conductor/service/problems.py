@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conductor.errors import Rejection
@@ -142,6 +143,7 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
+    @app.exception_handler(PoolTimeout)  # every pooled connection busy past the pool's timeout: a stall
     async def _db_down(_: Request, exc: Exception) -> JSONResponse:
         # the driver's own message (never the statement's parameters) says which it is: the server down, a
         # refused password, too many connections; check CONDUCTOR_DATABASE_URL and the database's log

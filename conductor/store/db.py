@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import TypeVar
 
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlmodel import Session, create_engine
@@ -26,6 +27,12 @@ the same from its first statement to the commit (``store.jobs._core`` runs its s
 
 _HOT_PATH: ContextVar[bool] = ContextVar("conductor_hot_path", default=False)
 """Set while ``transaction`` runs: connections checked out for the step hot path are not probed."""
+
+
+DATABASE_AWAY: tuple[type[Exception], ...] = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
+"""What "the database cannot be reached now" raises: the server down or refusing, a dropped connection, or
+no pooled connection free within the pool's timeout (a stalled database holding every connection). Work
+meeting one is left for a retry or the reconciler, never failed as a bug."""
 
 
 def driver_reason(exc: BaseException) -> str:
@@ -45,6 +52,15 @@ def get_engine(url: str | None = None) -> Engine:
     probe and instead retries its transaction once when the connection turns out dead (SQLAlchemy then
     invalidates the whole pool, so the retry gets a fresh connection)."""
     return _engine(url or get_settings().database_url)
+
+
+def reserved_engine(url: str | None = None) -> Engine:
+    """One Postgres connection of this process's own, outside the shared pool, for the lease heartbeat: a
+    pool that 1,000 greenlets hold (or a stall holds) must not keep the heartbeat from renewing the leases
+    of steps still running, or they lapse and are re-run elsewhere (paid twice). SQLite (embedded mode):
+    the shared engine."""
+    url = url or get_settings().database_url
+    return _engine(url) if url.startswith("sqlite") else _engine(url, reserved=True)
 
 
 def clear_engines() -> None:
@@ -78,18 +94,20 @@ def pool_sizes() -> tuple[int, int]:
 
 
 @lru_cache(maxsize=8)
-def _engine(url: str) -> Engine:
+def _engine(url: str, reserved: bool = False) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, hide_parameters=True)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     settings = get_settings()
-    connect_args = {} if settings.db_synchronous_commit else {"options": "-c synchronous_commit=off"}
-    kept, overflow = pool_sizes()
+    connect_args: dict[str, object] = {"connect_timeout": settings.db_connect_timeout_s}
+    if not settings.db_synchronous_commit:
+        connect_args["options"] = "-c synchronous_commit=off"
+    kept, overflow = (1, 0) if reserved else pool_sizes()
     # hide_parameters: a failed statement's error (logged, and raised to callers) never shows its values,
     # which hold webhook signing secrets, tasks and answers
-    engine = create_engine(url, pool_size=kept, max_overflow=overflow, connect_args=connect_args,
-                           hide_parameters=True)
+    engine = create_engine(url, pool_size=kept, max_overflow=overflow, pool_timeout=settings.db_pool_timeout_s,
+                           connect_args=connect_args, hide_parameters=True)
     dialect = engine.dialect
 
     def probe(dbapi_connection, _record, _proxy) -> None:  # type: ignore[no-untyped-def]
@@ -124,7 +142,7 @@ def session_scope(url: str | None = None) -> Iterator[Session]:
             raise
 
 
-def transaction(body: Callable[[Session], T], *, url: str | None = None) -> T:
+def transaction(body: Callable[[Session], T], *, url: str | None = None, reserved: bool = False) -> T:
     """Runs ``body`` in one transaction without probing its connection first, and commits; when the
     connection was dead (the database restarted), runs it once more on a fresh one. ``body`` must be
     safe to run twice: the step functions are conditional updates fenced by the claim's owner."""
@@ -136,7 +154,7 @@ def transaction(body: Callable[[Session], T], *, url: str | None = None) -> T:
                 # uses the ORM, joined to that transaction). Committing on the Connection skips the
                 # Session's own transaction bookkeeping, ~8 % of a step worker's CPU when it was the
                 # Session that began, committed and closed each of the two transactions of a step.
-                with get_engine(url).connect() as conn:
+                with (reserved_engine(url) if reserved else get_engine(url)).connect() as conn:
                     conn.begin()
                     with Session(bind=conn, expire_on_commit=False) as session:
                         session.info[ONE_TRANSACTION] = conn

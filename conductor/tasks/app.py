@@ -105,8 +105,9 @@ def celery_config(settings: Settings) -> dict[str, object]:
     }
 
 
-WORKER_OWN_DB_USERS = 1
-"""Connections a worker holds besides its slots' (the lease heartbeat's thread, conductor/lease.py)."""
+WORKER_OWN_DB_USERS = 0
+"""Connections of the shared pool a worker holds besides its slots' (the lease heartbeat has one of its own
+outside the pool, ``store.db.reserved_engine``)."""
 
 
 @worker_init.connect
@@ -136,8 +137,8 @@ def _log_db_pool(**_: object) -> None:
 
     if _sized_for:
         kept, overflow = pool_sizes()
-        log.info("database pool: keeps %d connections open for %d slots (+%d opened under load, closed after)",
-                 kept, _sized_for[-1], overflow)
+        log.info("database pool: keeps %d connections open for %d slots (+%d opened under load, closed after; "
+                 "+1 of the lease heartbeat's own)", kept, _sized_for[-1], overflow)
 
 
 class BatchedTaskEvents(bootsteps.StartStopStep):

@@ -4,6 +4,9 @@ hot path's ``transaction`` skips the probe and runs its body once more on a fres
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import sqlalchemy as sa
 from sqlmodel import Session
 
@@ -77,7 +80,8 @@ def test_a_worker_sizes_its_pool_for_its_slots(proc_env: dict[str, str]) -> None
     worker = start_worker({**proc_env, "CONDUCTOR_WORKER_LOCAL_SLOTS": "2"}, "poolsize", queues="maintenance",
                           concurrency=slots)
     try:
-        worker.wait_for_log(f"database pool: keeps {slots + 3} connections open for {slots + 2} slots", timeout=10)
+        # one per slot: the lease heartbeat has a connection of its own, outside the pool
+        worker.wait_for_log(f"database pool: keeps {slots + 2} connections open for {slots + 2} slots", timeout=10)
     finally:
         worker.stop()
 
@@ -141,3 +145,81 @@ def new_job_row() -> str:
         job, _ = create_job(s, JobCreate.model_validate({"task": "pool test"}), tenant="pool",
                             settings=get_settings())
     return job.id
+
+
+def test_a_step_meeting_a_full_pool_is_left_queued_not_failed(monkeypatch: Any) -> None:
+    """Every pooled connection busy past the pool's timeout (a stalled database, 1,000 greenlets on 30
+    connections) is the database being away: the claim raises and the step stays queued for a re-send.
+    Before, SQLAlchemy's pool TimeoutError was taken for a bug and the step was failed (and its job)."""
+    from conductor import engine as engine_module
+    from conductor.engine import plan_job, run_step
+    from conductor.store.db import clear_engines
+    from conductor.submission import JobCreate, create_job
+
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "full pool", "workflow": {
+            "model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}}), tenant="pool", settings=get_settings())
+    plan_job(job.id, settings=get_settings())
+    monkeypatch.setenv("CONDUCTOR_DB_POOL_TIMEOUT_S", "0.2")
+    get_settings.cache_clear()
+    clear_engines()
+    failed_as_bugs: list[str] = []
+    real = engine_module._fail_unclaimable
+    monkeypatch.setattr(engine_module, "_fail_unclaimable",  # a spy: records, then does what it does
+                        lambda job_id, *a, **k: failed_as_bugs.append(job_id) or real(job_id, *a, **k))
+    kept, overflow = pool_sizes()
+    held = [get_engine().connect() for _ in range(kept + overflow)]
+    try:
+        with pytest.raises(sa.exc.TimeoutError):
+            run_step(job.id, 0, worker="w", task_id=None, settings=get_settings())
+    finally:
+        for conn in held:
+            conn.close()
+        monkeypatch.delenv("CONDUCTOR_DB_POOL_TIMEOUT_S")
+        get_settings.cache_clear()
+        clear_engines()
+    assert failed_as_bugs == []
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job.id, index=0)
+        row = store.get_job(s, job_id=job.id)
+    assert step is not None and step.status == "queued" and step.attempts == 0
+    assert row is not None and row.status == "running"
+
+
+def test_the_lease_heartbeat_renews_while_every_pooled_connection_is_busy(monkeypatch: Any) -> None:
+    """The heartbeat has a connection of its own: with the shared pool held by 1,000 greenlets (or a
+    stall), it still renews the leases of steps that are running. Before, it waited in that pool, timed
+    out, and the leases lapsed: the reconciler re-ran steps still running (paid twice)."""
+    from datetime import timedelta
+
+    from conductor.lease import Heartbeat
+    from conductor.store.db import clear_engines
+    from conductor.store.models import Step, utcnow
+
+    job_id = new_job_row()
+    with session_scope() as s:  # a step this process runs: its lease about to lapse
+        step = Step(job_id=job_id, index=0, agent="a", instruction="x", access_list=[], status="running",
+                    lease_owner="hb-owner", lease_expires_at=utcnow() + timedelta(seconds=1), attempts=1)
+        s.add(step)
+        s.flush()
+        assert step.id is not None
+        step_id = step.id
+    monkeypatch.setenv("CONDUCTOR_DB_POOL_TIMEOUT_S", "0.2")
+    get_settings.cache_clear()
+    clear_engines()
+    kept, overflow = pool_sizes()
+    held = [get_engine().connect() for _ in range(kept + overflow)]
+    try:
+        heartbeat = Heartbeat(30.0)
+        with heartbeat.holding(step_id, "hb-owner"):
+            assert heartbeat.beat() == 1  # renewed on its own connection
+    finally:
+        for conn in held:
+            conn.close()
+        monkeypatch.delenv("CONDUCTOR_DB_POOL_TIMEOUT_S")
+        get_settings.cache_clear()
+        clear_engines()
+    with session_scope() as s:
+        renewed = s.execute(sa.text("SELECT lease_expires_at > now() + interval '20 seconds' FROM step "
+                                    "WHERE id = :i"), {"i": step_id}).scalar_one()
+    assert renewed
