@@ -6,7 +6,7 @@ connection, and the worker stops as "Unrecoverable error" (kombu #582) — with 
 the shutdown itself fails the same way before the failure code is set. The work is safe (Postgres
 holds the state and the reconciler re-drives it), but a dead worker runs nothing. So the worker runs
 as a child process and is restarted, with backoff, whenever it exits without having been asked to:
-only a stop (SIGTERM/SIGINT to the supervisor, forwarded to the child) ends both.
+only a stop (SIGTERM/SIGINT to the supervisor, forwarded to the child as SIGTERM) ends both.
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ def supervise(argv: Sequence[str], *, sleep: float = 1.0, max_restarts: int | No
     stopping = False
     child: subprocess.Popen[bytes] | None = None
 
-    def forward(signum: int, _frame: FrameType | None) -> None:
+    def forward(_signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
         if child is not None and child.poll() is None:
-            child.send_signal(signum)
+            # Always SIGTERM, Celery's warm shutdown however often it comes: a terminal's Ctrl-C reaches the
+            # child too (one process group), and a second SIGINT from here would make it a cold shutdown,
+            # killing the steps it runs. A second Ctrl-C still reaches the child itself, for a cold one.
+            child.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     failures = 0
