@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -193,6 +194,13 @@ class LocalProvider(Provider):
         """One call, bounded by ``options.timeout_s`` like any provider's: the wait for the model (one
         call at a time per loaded model) counts against it, and generation stops when it runs out
         (ProviderTimeout), so a call never outlives the step's lease and holds the model no longer."""
+        if _under_gevent():
+            raise ConfigError(
+                f"local agent '{self.agent}': a llama.cpp call never yields to gevent, so on a gevent worker it "
+                "would stall every greenlet of the process and the lease heartbeat (their steps re-run "
+                "elsewhere): serve local models from a threads worker (conductor worker --pool threads, "
+                "with CONDUCTOR_STEP_QUEUES giving local agents a queue of their own)"
+            )
         deadline = time.monotonic() + options.timeout_s
         loaded = self.load()
         formatter, handler = _chat_format(self.agent, self.chat_format)
@@ -340,3 +348,9 @@ def _value_error(exc: ValueError, agent: str) -> BadRequest:
             status=400,
         )
     return BadRequest(f"local agent '{agent}': {exc}", status=400)
+
+
+def _under_gevent() -> bool:
+    """Whether this process runs on gevent's monkey-patched threads (``conductor worker --pool gevent``)."""
+    monkey = sys.modules.get("gevent.monkey")
+    return monkey is not None and bool(monkey.is_module_patched("threading"))

@@ -6,6 +6,7 @@ The pure checks at the top (options, missing packages) need neither llama.cpp no
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -218,3 +219,23 @@ def test_unknown_chat_format_is_a_config_error() -> None:
     require_llama_cpp()
     with pytest.raises(ConfigError, match=r"unknown options\.chat_format 'klingon'"):
         local_provider._chat_format("a", "klingon")
+
+
+def test_a_local_call_on_a_gevent_worker_is_refused_before_it_stalls_the_process() -> None:
+    # llama.cpp never yields: one call would stop every greenlet and the heartbeat for minutes
+    code = """
+from gevent import monkey
+monkey.patch_all()
+from conductor.pool.base import CallOptions, Message
+from conductor.pool.config import AgentConfig
+from conductor.pool.errors import ConfigError
+from conductor.pool.local_provider import LocalProvider
+provider = LocalProvider("a", AgentConfig(provider="local", model="qwen2.5-coder-1.5b-instruct-q4_k_m"))
+try:
+    provider.complete([Message("user", "hi")], CallOptions())
+except ConfigError as exc:
+    print("refused:", exc)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "refused: local agent 'a'" in result.stdout and "--pool threads" in result.stdout
