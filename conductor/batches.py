@@ -79,10 +79,11 @@ def new_batch_id() -> str:
 def parse_input(content: bytes, settings: Settings) -> list[InputLine]:
     """The requests of a batch input file; refuses the file when it cannot be used as a whole."""
     if len(content) > settings.batch_max_file_bytes:
-        raise BatchFileError(f"the file has {len(content)} bytes; the limit is {settings.batch_max_file_bytes}",
+        # (an upload reads at most one byte past the limit: the file's whole size is not known here)
+        raise BatchFileError(f"the file is over the limit of {settings.batch_max_file_bytes} bytes",
                              code="file_too_large", kind=Rejection.TOO_LARGE)
     try:
-        text = content.decode("utf-8")
+        text = content.decode("utf-8-sig")  # a byte-order mark (as Windows tools write) is not line 1's JSON
     except UnicodeDecodeError as exc:
         raise BatchFileError(f"the file is not UTF-8 (byte {exc.start})", code="invalid_encoding") from exc
     lines: list[InputLine] = []
@@ -222,7 +223,8 @@ def line_job(item: InputLine, endpoint: str, settings: Settings) -> LineJob:
     body = req.get("body")
     if not isinstance(body, dict):
         raise LineError("'body' must be a JSON object", "invalid_body")
-    if len(json.dumps(body)) > settings.max_body_bytes:
+    if len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()) > settings.max_body_bytes:
+        # UTF-8 bytes, as the live route counts its request body (escaped, one emoji counted 12)
         raise LineError(f"'body' is over {settings.max_body_bytes} bytes", "body_too_large")
     extra = set(req) - {"custom_id", "method", "url", "body"}
     if extra:

@@ -96,3 +96,36 @@ def test_a_batch_that_cannot_be_read_back_after_its_commit_is_created_once(
     monkeypatch.undo()
     assert client.batches.retrieve(batch_id).id == batch_id  # the batch is there, as the error said
     cancel_batch(batch_id)
+
+
+def test_a_file_that_no_longer_fits_the_limits_is_a_400_not_a_retried_500(
+    http: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file uploaded under one limit and run as a batch under a lower one (a redeploy lowered
+    CONDUCTOR_BATCH_MAX_LINES): the re-read at create time refused it with an unhandled error, a 500 the
+    SDK sent twice more, and the file could never become a batch."""
+    tenant = "tenant-batch-limit-lowered"
+    client = _sdk(http, new_key(tenant))
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/jobs", "body": {"task": f"Item {i}"}}
+             for i in range(5)]
+    uploaded = client.files.create(file=("five.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
+    monkeypatch.setenv("CONDUCTOR_BATCH_MAX_LINES", "2")
+    get_settings.cache_clear()
+    requests: list[str] = []
+    real_send = http.send
+
+    def counted(request: Any, **kwargs: Any) -> Any:
+        requests.append(str(request.url))
+        return real_send(request, **kwargs)
+
+    monkeypatch.setattr(http, "send", counted)
+    try:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+    finally:
+        monkeypatch.delenv("CONDUCTOR_BATCH_MAX_LINES")
+        get_settings.cache_clear()
+    assert err.value.code == "invalid_file" and err.value.param == "input_file_id"
+    assert "more than 2 requests" in err.value.message and "upload it again" in err.value.message
+    assert len([u for u in requests if u.endswith("/v1/batches")]) == 1  # not retried
+    assert _ids("batch", tenant) == []

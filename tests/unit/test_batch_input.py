@@ -112,3 +112,20 @@ def test_lines_that_fail_alone(request_: dict[str, Any], code: str) -> None:
     with pytest.raises(LineError) as failed:
         line_job(item(**request_), "/v1/chat/completions", SETTINGS)
     assert failed.value.code == code
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line() -> None:
+    # Windows tools save UTF-8 with a BOM; line 1 was refused as invalid JSON (the CLI read it fine)
+    [line] = parse_input(b"\xef\xbb\xbf" + jsonl({"custom_id": "a", "method": "POST"}), SETTINGS)
+    assert (line.line, line.custom_id) == (1, "a")
+
+
+def test_a_bodys_size_is_its_utf8_bytes_as_on_the_live_route() -> None:
+    settings = Settings(max_body_bytes=3000)
+    # 600 emoji: 2,400 bytes of UTF-8, but 7,200 characters once JSON-escaped (it was refused as too large)
+    body = {"model": "conductor", "messages": [{"role": "user", "content": "\U0001f600" * 600}]}
+    assert line_job(item(method="POST", url="/v1/chat/completions", body=body), "/v1/chat/completions", settings)
+    too_big = {"model": "conductor", "messages": [{"role": "user", "content": "\U0001f600" * 800}]}
+    with pytest.raises(LineError) as failed:
+        line_job(item(method="POST", url="/v1/chat/completions", body=too_big), "/v1/chat/completions", settings)
+    assert failed.value.code == "body_too_large"

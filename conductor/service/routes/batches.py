@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, BackgroundTasks, Query, Response
 from sqlmodel import Session
 
-from conductor.batches import cancel_batch, create_batch, finish_if_done
+from conductor.batches import BatchFileError, cancel_batch, create_batch, finish_if_done
 from conductor.openai_wire import BatchCreate, BatchList, BatchObject, RequestCounts
 from conductor.quotas import admission
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
@@ -96,9 +96,14 @@ def create(
     lock_tenant(session, tenant=tenant, scope="files")
     check_file_quota(session, tenant, settings, files=2, size=0, what="with a batch's output and error files",
                      param="input_file_id")
-    batch, job_ids = create_batch(session, tenant=tenant, input_file=input_file, endpoint=body.endpoint,
-                                  completion_window=body.completion_window, metadata=body.metadata,
-                                  settings=settings)
+    try:
+        batch, job_ids = create_batch(session, tenant=tenant, input_file=input_file, endpoint=body.endpoint,
+                                      completion_window=body.completion_window, metadata=body.metadata,
+                                      settings=settings)
+    except BatchFileError as exc:  # read again now: a limit lowered since the upload (a redeploy), say
+        raise OpenAIError(400, f"file {input_file.id} cannot be run as a batch: {exc}; upload it again "
+                          "within the current limits", param="input_file_id", code="invalid_file",
+                          headers=NO_RETRY) from exc
     session.commit()  # the batch and every job are durable before any message is sent
     background.add_task(_enqueue, job_ids)
     try:
