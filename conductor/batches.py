@@ -84,8 +84,9 @@ def parse_input(content: bytes, settings: Settings) -> list[InputLine]:
                              code="file_too_large", kind=Rejection.TOO_LARGE)
     try:
         text = content.decode("utf-8-sig")  # a byte-order mark (as Windows tools write) is not line 1's JSON
-    except UnicodeDecodeError as exc:
-        raise BatchFileError(f"the file is not UTF-8 (byte {exc.start})", code="invalid_encoding") from exc
+    except UnicodeDecodeError as exc:  # (the offset counts the byte-order mark the codec took off)
+        skipped = 3 if content.startswith(b"\xef\xbb\xbf") else 0
+        raise BatchFileError(f"the file is not UTF-8 (byte {exc.start + skipped})", code="invalid_encoding") from exc
     lines: list[InputLine] = []
     seen: dict[str, int] = {}
     for number, raw in enumerate(jsonl_lines(text), start=1):
@@ -223,7 +224,8 @@ def line_job(item: InputLine, endpoint: str, settings: Settings) -> LineJob:
     body = req.get("body")
     if not isinstance(body, dict):
         raise LineError("'body' must be a JSON object", "invalid_body")
-    if len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()) > settings.max_body_bytes:
+    if len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")) > \
+            settings.max_body_bytes:
         # UTF-8 bytes, as the live route counts its request body (escaped, one emoji counted 12)
         raise LineError(f"'body' is over {settings.max_body_bytes} bytes", "body_too_large")
     extra = set(req) - {"custom_id", "method", "url", "body"}

@@ -382,7 +382,10 @@ def _keys_revoke(args: argparse.Namespace) -> int:
         raise CliError(f"nothing revoked: {exc}") from exc
     if count == 0:
         whose = f" of tenant '{args.tenant}'" if args.tenant else ""
-        raise CliError(f"no active key{whose} starts with '{args.prefix}'; see 'conductor keys list'")
+        shown = args.prefix[:10]  # never echo a whole key (a secret) into a terminal's or CI's log
+        hint = (" (a whole key is matched by its hash: CONDUCTOR_API_KEY_PEPPER must be the API's)"
+                if len(args.prefix) > 10 else "")
+        raise CliError(f"no active key{whose} matches '{shown}…'{hint}; see 'conductor keys list'")
     print(f"revoked {count} key{'s' if count != 1 else ''}")
     return 0
 
@@ -415,12 +418,12 @@ def _webhooks_secret(args: argparse.Namespace) -> int:
     if args.keep_previous_hours is not None and not args.rotate:
         raise CliError("--keep-previous-hours goes with --rotate (it says how long the replaced secret signs)")
     keep_hours = DEFAULT_KEEP_PREVIOUS_HOURS if args.keep_previous_hours is None else args.keep_previous_hours
-    kept = False
+    replaced = "none"
     try:
         with session_scope() as s:
             if args.rotate:
-                kept = store.set_webhook_secret(s, tenant=tenant, secret=new_secret(),
-                                                keep_previous_s=keep_hours * 3600)
+                replaced = store.set_webhook_secret(s, tenant=tenant, secret=new_secret(),
+                                                    keep_previous_s=keep_hours * 3600)
             secret = store.ensure_webhook_secret(s, tenant=tenant, new=new_secret())
             until = store.previous_secret_expires_at(s, tenant=tenant)
     except SealError as exc:
@@ -432,7 +435,7 @@ def _webhooks_secret(args: argparse.Namespace) -> int:
     if until is not None:  # on stderr: the last line of stdout stays the secret, for scripts
         print(f"the previous secret also signs every delivery until {until.astimezone(UTC):%Y-%m-%d %H:%M} UTC "
               "(a second signature in webhook-signature): switch receivers before then", file=sys.stderr)
-    elif args.rotate and keep_hours > 0 and not kept:
+    elif replaced == "unopenable":
         print("warning: the replaced secret was not kept (none of CONDUCTOR_SECRETS_KEY opens it): receivers "
               "must switch to the new one now", file=sys.stderr)
     verb = "new" if args.rotate else "current"

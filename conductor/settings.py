@@ -91,9 +91,9 @@ class Settings(BaseSettings):
     db_pool_timeout_s: float = Field(default=30.0, gt=0, le=600)
     """How long a caller waits for a pooled connection when every one is in use; then the work is left
     for a retry or the reconciler, as when the database is down (never failed)."""
-    db_connect_timeout_s: int = Field(default=10, ge=1, le=600)
+    db_connect_timeout_s: int = Field(default=10, ge=2, le=600)
     """How long opening a Postgres connection may take (libpq ``connect_timeout``): an unreachable server
-    that drops packets otherwise holds the caller, and its pool slot, for minutes."""
+    that drops packets otherwise holds the caller, and its pool slot, for minutes (libpq's least is 2)."""
     db_synchronous_commit: bool = True
     """Off, Postgres acknowledges a commit before its WAL reaches disk: each transaction stops waiting for
     an fsync (7-13 ms on the benchmark box), and a Postgres crash can lose the last few hundred ms of

@@ -72,28 +72,31 @@ def _default_webhook_url_stmt() -> sa.Select[Any]:
     return sa.select(t.c.webhook_url).where(t.c.tenant == sa.bindparam("p_tenant", type_=sa.String()))
 
 
-def set_webhook_secret(session: Session, *, tenant: str, secret: str, keep_previous_s: float = 0) -> bool:
+def set_webhook_secret(session: Session, *, tenant: str, secret: str, keep_previous_s: float = 0) -> str:
     """Stores ``secret`` as the tenant's signing secret. ``keep_previous_s`` > 0 (a rotation): the secret it
     replaces keeps signing beside it for that long (receivers verify either; Standard Webhooks sends
     several ``v1,`` signatures), else it is dropped at once. A replaced secret that no configured key opens
-    is dropped (it could sign nothing: rotating is how an operator replaces such a secret). Returns whether
-    the replaced secret was kept."""
+    is dropped (it could sign nothing: rotating is how an operator replaces such a secret). Returns what
+    became of the replaced secret: ``kept``, ``dropped`` (as asked), ``unopenable`` or ``none`` (there was
+    none)."""
     row = session.get(TenantSettings, tenant, with_for_update=True)  # two rotations at once: one after the other
     if row is None:
         row = _tenant_row(session, tenant)
     now = utcnow()
     kept: str | None = None
+    outcome = "none" if row.webhook_secret is None else "dropped"
     if keep_previous_s > 0 and row.webhook_secret is not None:
         try:
             kept = seal(unseal(row.webhook_secret))  # sealed with the first key, like the current one
+            outcome = "kept"
         except SealError:
-            kept = None
+            outcome = "unopenable"
     row.previous_webhook_secret = kept
     row.previous_secret_expires_at = now + timedelta(seconds=keep_previous_s) if kept is not None else None
     row.webhook_secret = seal(secret)
     row.secret_created_at = row.updated_at = now
     session.flush()
-    return kept is not None
+    return outcome
 
 
 def previous_secret_expires_at(session: Session, *, tenant: str) -> datetime | None:

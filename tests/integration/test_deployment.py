@@ -59,7 +59,8 @@ def test_compose_file_is_valid_and_runs_real_cli_commands() -> None:
 
 def test_postgres_admits_every_connection_the_services_may_open() -> None:
     """Each long-running conductor process may open db_pool_size + db_max_overflow connections (a
-    worker keeps up to that many open); together they must fit the server's max_connections."""
+    worker keeps up to that many open, and one more for its lease heartbeat); together they must fit the
+    server's max_connections."""
     from conductor.settings import Settings
 
     services = compose_config()["services"]
@@ -69,4 +70,6 @@ def test_postgres_admits_every_connection_the_services_may_open() -> None:
                 if svc.get("image") == IMAGE and svc["command"][1] in ("serve", "worker")]
     command = services["postgres"].get("command", [])
     limit = next((int(arg.split("=", 1)[1]) for arg in command if str(arg).startswith("max_connections=")), 100)
-    assert len(using_db) * per_process + 10 <= limit, (using_db, per_process, limit)  # 10: migrate, psql
+    workers = [name for name in using_db if services[name]["command"][1] == "worker"]
+    opened = len(using_db) * per_process + len(workers)  # + each worker's heartbeat connection
+    assert opened + 10 <= limit, (using_db, per_process, limit)  # 10: migrate, psql

@@ -129,3 +129,17 @@ def test_a_bodys_size_is_its_utf8_bytes_as_on_the_live_route() -> None:
     with pytest.raises(LineError) as failed:
         line_job(item(method="POST", url="/v1/chat/completions", body=too_big), "/v1/chat/completions", settings)
     assert failed.value.code == "body_too_large"
+
+
+def test_a_body_with_an_unpaired_surrogate_fails_its_line_alone() -> None:
+    # JSON admits "\ud800"; measuring the body's UTF-8 size raised UnicodeEncodeError, failing the whole batch
+    [line] = parse_input(b'{"custom_id": "s", "method": "POST", "url": "/v1/jobs", "body": {"task": "a\\ud800"}}',
+                         SETTINGS)
+    with pytest.raises(LineError) as failed:
+        line_job(line, "/v1/jobs", SETTINGS)
+    assert failed.value.code == "invalid_body" and "unicode" in str(failed.value).lower()
+
+
+def test_a_bad_byte_after_a_byte_order_mark_is_named_where_it_is() -> None:
+    with pytest.raises(BatchFileError, match=r"byte 6\)"):
+        parse_input(b"\xef\xbb\xbf{\"a\xff", SETTINGS)

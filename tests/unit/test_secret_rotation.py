@@ -41,10 +41,10 @@ def stored(tenant: str = "t") -> TenantSettings:
 def test_a_rotation_keeps_the_replaced_secret_signing_sealed_until_it_expires(keys: pytest.MonkeyPatch) -> None:
     old, new = new_secret(), new_secret()
     with session_scope() as s:  # stored before any key was set: plaintext
-        assert store.set_webhook_secret(s, tenant="t", secret=old) is False
+        assert store.set_webhook_secret(s, tenant="t", secret=old) == "none"
     use(keys, K1)
     with session_scope() as s:
-        assert store.set_webhook_secret(s, tenant="t", secret=new, keep_previous_s=3600) is True
+        assert store.set_webhook_secret(s, tenant="t", secret=new, keep_previous_s=3600) == "kept"
     row = stored()
     assert (row.previous_webhook_secret or "").startswith("fernet:")  # not left in plaintext beside the new one
     with session_scope() as s:
@@ -71,7 +71,7 @@ def test_a_secret_no_key_opens_is_replaced_not_kept(keys: pytest.MonkeyPatch) ->
     use(keys, K2)
     new = new_secret()
     with session_scope() as s:
-        assert store.set_webhook_secret(s, tenant="t", secret=new, keep_previous_s=3600) is False
+        assert store.set_webhook_secret(s, tenant="t", secret=new, keep_previous_s=3600) == "unopenable"
         assert store.ensure_webhook_secret(s, tenant="t", new=new_secret()) == new
         assert store.previous_webhook_secret(s, tenant="t") is None
     assert stored().previous_webhook_secret is None
