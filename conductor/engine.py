@@ -51,10 +51,10 @@ from conductor.pool.registry import provider_for
 from conductor.ratelimit import wait_for_rate_limit
 from conductor.replay import replay_plan, step_rows
 from conductor.retry import RetryPolicy
-from conductor.settings import Settings
+from conductor.settings import Settings, get_settings
 from conductor.store import jobs as store
 from conductor.store import webhooks as webhook_store
-from conductor.store.db import DATABASE_AWAY, session_scope, transaction
+from conductor.store.db import DATABASE_AWAY, patiently, session_scope, transaction
 from conductor.store.jobs import RELEASED, WORKER_LOST
 from conductor.store.models import Job, JobStatus, StepStatus, utcnow
 from conductor.workflow import CONDUCTOR_AGENT, WorkflowError, ready_steps
@@ -209,13 +209,14 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agents[i] for i in sent},
                         taken=taken[0] if taken else None, alongside=taken[1:])
 
+    patience = _recording_patience(settings)
     try:
-        dispatch = transaction(record)
+        dispatch = patiently(record, within_s=patience)
     except _TakeFailed as exc:
         log.warning("job %s: claiming a root step with the plan raised %s; recording the plan without it",
                     job_id, type(exc.__cause__).__name__)
         taker[0] = None
-        dispatch = transaction(record)
+        dispatch = patiently(record, within_s=patience)
     usage = _planner_usage([result])
     if lost:
         # The plan is dropped, what the planner cost is not. Outside ``record``, which runs again after a
@@ -656,9 +657,16 @@ def _fail_step(
         return store.record_step(s, step_id=step_id, owner=owner, to=StepStatus.FAILED, closing=closing,
                                  error_type=exc.error_type, error=message, **extra)
 
-    if not transaction(record):
+    if not patiently(record, within_s=_recording_patience(get_settings())):
         return Dispatch()
     return advance(job_id)
+
+
+def _recording_patience(settings: Settings) -> float:
+    """How long recording a paid call's outcome (or a plan) keeps trying while the database is away: two
+    leases. The heartbeat holds the claim meanwhile if it can; a try after the lease lapsed is fenced off
+    and only adds the call's usage. Given up, the work is re-run (and paid again) after its lease."""
+    return 2 * settings.step_lease_s
 
 
 def _record_success(
@@ -700,13 +708,14 @@ def _record_success(
             return Dispatch(webhooks=_webhooks_owed(s, job_id, head) if ended else [])
         return _dispatch_ready(s, job_id, steps, taker[0])
 
+    patience = _recording_patience(get_settings())
     try:
-        outcome = transaction(record)
+        outcome = patiently(record, within_s=patience)
     except _TakeFailed as exc:
         log.warning("job %s: claiming a ready step with step %s's outcome raised %s; recording the outcome "
                     "without it", job_id, index, type(exc.__cause__).__name__)
         taker[0] = None
-        outcome = transaction(record)
+        outcome = patiently(record, within_s=patience)
     _carry_up(carry)
     if outcome is None:
         return advance(job_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -140,6 +141,29 @@ def session_scope(url: str | None = None) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+PATIENCE_FIRST_WAIT_S = 0.5
+PATIENCE_LONGEST_WAIT_S = 8.0
+
+
+def patiently(body: Callable[[Session], T], *, within_s: float) -> T:
+    """``transaction(body)``, tried again while the database is away (``DATABASE_AWAY``: down, or every
+    pooled connection busy) for up to ``within_s`` seconds, waiting 0.5 s doubling to 8 s between tries.
+    For what must not be lost once paid for: a step's outcome, a plan (the heartbeat keeps the claim alive
+    meanwhile; a try after the lease lapsed is fenced off like any late outcome)."""
+    deadline = time.monotonic() + within_s
+    wait = PATIENCE_FIRST_WAIT_S
+    while True:
+        try:
+            return transaction(body)
+        except DATABASE_AWAY as exc:
+            if time.monotonic() + wait > deadline:
+                raise
+            log.warning("database away (%s: %s); recording again in %.1f s", type(exc).__name__,
+                        driver_reason(exc), wait)
+            time.sleep(wait)
+            wait = min(wait * 2, PATIENCE_LONGEST_WAIT_S)
 
 
 def transaction(body: Callable[[Session], T], *, url: str | None = None, reserved: bool = False) -> T:

@@ -223,3 +223,35 @@ def test_the_lease_heartbeat_renews_while_every_pooled_connection_is_busy(monkey
         renewed = s.execute(sa.text("SELECT lease_expires_at > now() + interval '20 seconds' FROM step "
                                     "WHERE id = :i"), {"i": step_id}).scalar_one()
     assert renewed
+
+
+def test_a_paid_answer_is_recorded_once_the_database_is_back(monkeypatch: Any) -> None:
+    """The outcome transaction of a step whose call was paid for meets the database away (here: no pooled
+    connection free in time, once): it is tried again while the lease holds, and the answer is kept.
+    Before, the error left the step running until its lease lapsed, and the call was made (and paid) again."""
+    from conductor.engine import plan_job, run_step
+    from conductor.store import db
+    from conductor.submission import JobCreate, create_job
+
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "record me", "workflow": {
+            "model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}}), tenant="pool", settings=get_settings())
+    plan_job(job.id, settings=get_settings())
+    real = store.lock_job_and_record
+    faults: list[str] = []
+
+    def away_once(*args: Any, **kwargs: Any) -> Any:  # the injected fault, at the outcome's first statement
+        if not faults:
+            faults.append("pool timeout")
+            raise sa.exc.TimeoutError("QueuePool limit of size 10 overflow 20 reached, connection timed out")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "lock_job_and_record", away_once)
+    monkeypatch.setattr(db, "PATIENCE_FIRST_WAIT_S", 0.05)
+    run_step(job.id, 0, worker="w", task_id=None, settings=get_settings())
+    assert faults == ["pool timeout"]
+    with session_scope() as s:
+        step = store.get_step(s, job_id=job.id, index=0)
+        row = store.get_job(s, job_id=job.id)
+    assert step is not None and step.status == "succeeded" and step.attempts == 1
+    assert row is not None and row.status == "succeeded" and row.answer == step.output
