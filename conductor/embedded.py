@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -552,6 +553,15 @@ def _watch(job_id: str, err: TextIO, started: float, settings: Settings) -> Any:
 
     progress = Progress(job_id, err, started)
     next_reconcile = time.monotonic() + settings.reconcile_interval_s
+    stopped_by = [signal.SIGINT]
+
+    def stop(signum: int, _frame: Any) -> None:
+        stopped_by[0] = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    # A closed terminal (SIGHUP) or a kill (SIGTERM) cancels the job as Ctrl-C does: left running, it was
+    # picked up and finished by the next run on this data directory, after that run's own answer.
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
             job = progress.update()
@@ -570,10 +580,12 @@ def _watch(job_id: str, err: TextIO, started: float, settings: Settings) -> Any:
         # for its whole duration -- so the process leaves now instead of waiting for it.
         progress.close()
         cancel_job(job_id)
-        print(f"job {job_id} cancelled\nconductor: interrupted", file=err, flush=True)
+        print(f"job {job_id} cancelled\nconductor: interrupted ({stopped_by[0].name})", file=err, flush=True)
         sys.stdout.flush()
-        os._exit(130)
+        os._exit(128 + stopped_by[0])
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         progress.close()
 
 

@@ -377,10 +377,14 @@ def test_recursive_conductor_steps_complete_on_sqlite(tmp_path: Path) -> None:
     assert trace.stdout.count("child job:") == 2
 
 
-def test_ctrl_c_cancels_the_job_and_exits_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_cancels_the_job_and_exits_at_once(tmp_path: Path, name: str) -> None:
+    """Ctrl-C, a kill or a closed terminal: the job is cancelled in the store (left running, a SIGTERM'd
+    or SIGHUP'd run's job was picked up and finished by the next run on the data directory)."""
     import signal
     import time
 
+    sig = signal.Signals[name]
     pool = tmp_path / "slow.yaml"
     pool.write_text("planner: template:single\nagents:\n  s: {provider: sim, options: {latency_ms: 30000}}\n")
     proc = subprocess.Popen(
@@ -394,17 +398,18 @@ def test_ctrl_c_cancels_the_job_and_exits_at_once(tmp_path: Path) -> None:
     )
     db = tmp_path / "conductor.sqlite3"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until the step is running
+    while True:  # wait until the step is running
+        assert time.monotonic() < deadline and proc.poll() is None, "the step never started"
         try:
             if rows(db, "SELECT 1 FROM step WHERE status = 'running'"):
                 break
         except sqlite3.OperationalError:  # not created or not migrated yet
             pass
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=20)  # well before the 30 s step would finish
-    assert proc.returncode == 130
-    assert err.strip().splitlines()[-1] == "conductor: interrupted"
+    assert proc.returncode == 128 + sig
+    assert err.strip().splitlines()[-1] == f"conductor: interrupted ({name})"
     job = only_job(tmp_path)
     assert job["status"] == "cancelled"
 
