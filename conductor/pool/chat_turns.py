@@ -42,6 +42,15 @@ def to_conversation(messages: list[Message]) -> Conversation:
     return Conversation(system="\n\n".join(system_parts) if system_parts else None, turns=turns)
 
 
+def merge_system(messages: list[Message]) -> list[dict[str, str]]:
+    """Every system message's text in one system message first, the other turns in order: templates that
+    keep only the first system message (llama-cpp-python's ``chatml``: a chat's own system prompt after
+    the worker's was lost) see them all."""
+    system = "\n\n".join(m.content for m in messages if m.role == "system")
+    rest = [m.as_dict() for m in messages if m.role != "system"]
+    return [{"role": "system", "content": system}, *rest] if system else rest
+
+
 def fold_system(messages: list[Message]) -> list[dict[str, str]]:
     """System text prepended to the first user turn, for chat templates that drop ``system`` messages
     (Gemma's template; llama-cpp-python's ``gemma`` chat format discards them silently)."""

@@ -1,7 +1,7 @@
 """``local``: a GGUF model run in this process by llama.cpp (``llama-cpp-python``), no server, no key.
 
 The models it knows by name ship on PyPI (``conductor/pool/local_models.py``): by default Qwen2.5-Coder
-0.5B Instruct, with Gemma 3 270M base as the fallback; any other GGUF file works through
+1.5B Instruct, with Gemma 3 270M base as the fallback; any other GGUF file works through
 ``options.model_path``. They let ``conductor run`` work offline on a fresh machine; real work belongs
 on a real pool.
 
@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.pool.base import CallOptions, Completion, Message, Provider
-from conductor.pool.chat_turns import fold_system
+from conductor.pool.chat_turns import fold_system, merge_system
 from conductor.pool.config import AgentConfig
 from conductor.pool.errors import BadRequest, ConfigError, ProviderTimeout, ServerError
 from conductor.pool.grammar import grammar_schema
@@ -39,10 +39,11 @@ CONTEXT_HELP = "shorten the task or raise options.n_ctx of the agent in the pool
 MIN_OUTPUT_TOKENS = 16
 """A prompt that leaves less room than this for the answer is rejected rather than cut off at once."""
 SYSTEM_DROPPING_FORMATS = frozenset({"gemma"})
+"""Chat formats whose template silently discards ``system`` messages: their text is folded into the
+first user turn instead (what Gemma's own template does). Every other format gets one system message
+(llama-cpp-python's ``chatml`` keeps only the first)."""
 DEFAULT_CHAT_FORMAT = "gemma"
 """For a GGUF file given by path with no chat_format: the format this provider always defaulted to."""
-"""Chat formats whose template silently discards ``system`` messages: their text is folded into the
-first user turn instead (what Gemma's own template does)."""
 
 
 class LocalOptions(BaseModel):
@@ -186,9 +187,13 @@ class LocalProvider(Provider):
         return loaded
 
     def _chat(self, messages: list[Message]) -> list[dict[str, str]]:
+        # An empty turn (an earlier step that answered nothing) gets its role's header but no end marker in
+        # the chatml and gemma templates, running into the next turn: left out, as the Anthropic and Gemini
+        # adapters do.
+        kept = [m for m in messages if m.content.strip()]
         if self.chat_format in SYSTEM_DROPPING_FORMATS:
-            return fold_system(messages)
-        return [m.as_dict() for m in messages]
+            return fold_system(kept)
+        return merge_system(kept)
 
     def complete(self, messages: list[Message], options: CallOptions) -> Completion:
         """One call, bounded by ``options.timeout_s`` like any provider's: the wait for the model (one

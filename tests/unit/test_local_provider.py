@@ -239,3 +239,16 @@ except ConfigError as exc:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "refused: local agent 'a'" in result.stdout and "--pool threads" in result.stdout
+
+
+def test_the_chatml_prompt_keeps_every_system_message_and_no_empty_turn() -> None:
+    """llama-cpp-python's chatml keeps only the first system message (a chat's own system prompt after
+    the worker's was lost), and an empty earlier answer left a header with no end marker."""
+    formatter, _ = local_provider._chat_format("a", "chatml")
+    provider = LocalProvider("a", AgentConfig(provider="local", model="qwen2.5-coder-1.5b-instruct-q4_k_m"))
+    assert provider.chat_format == "chatml"
+    messages = [Message("system", "WORKER RULES"), Message("system", "CHAT SYSTEM"), Message("user", "q1"),
+                Message("assistant", ""), Message("user", "q2")]
+    prompt = formatter(messages=provider._chat(messages)).prompt
+    assert "WORKER RULES" in prompt and "CHAT SYSTEM" in prompt
+    assert prompt.count("<|im_start|>") == prompt.count("<|im_end|>") + 1  # only the open assistant turn
