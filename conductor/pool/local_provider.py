@@ -17,9 +17,12 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -149,20 +152,45 @@ def load_model(
         if loaded is not None:
             return loaded
         started = time.monotonic()
-        try:
-            llm = llama_cpp.Llama(
-                model_path=str(path),
-                n_ctx=options.n_ctx,
-                n_threads=options.n_threads or os.cpu_count() or 1,
-                n_threads_batch=options.n_threads or os.cpu_count() or 1,
-                chat_format=chat_format,
-                verbose=False,
-            )
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise ConfigError(f"agent '{agent}': llama.cpp cannot load {path}: {exc}") from exc
+        with _interrupt_after():
+            llm = _construct(llama_cpp, agent, path, options, chat_format)
         loaded = _Loaded(llm, path, options.n_ctx, threading.Lock(), time.monotonic() - started)
         _MODELS[key] = loaded
         return loaded
+
+
+@contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Ctrl-C while llama.cpp loads a model lands in its log callback (a ctypes callback, where Python
+    prints and drops exceptions: the load went on and the run with it). In the main thread, SIGINT is only
+    noted meanwhile and raised once the load returns; other threads never receive it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[bool] = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        raise KeyboardInterrupt
+
+
+def _construct(llama_cpp: Any, agent: str, path: Path, options: LocalOptions, chat_format: str) -> Any:
+    try:
+        return llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=options.n_ctx,
+            n_threads=options.n_threads or os.cpu_count() or 1,
+            n_threads_batch=options.n_threads or os.cpu_count() or 1,
+            chat_format=chat_format,
+            verbose=False,
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise ConfigError(f"agent '{agent}': llama.cpp cannot load {path}: {exc}") from exc
 
 
 class LocalProvider(Provider):

@@ -252,3 +252,32 @@ def test_the_chatml_prompt_keeps_every_system_message_and_no_empty_turn() -> Non
     prompt = formatter(messages=provider._chat(messages)).prompt
     assert "WORKER RULES" in prompt and "CHAT SYSTEM" in prompt
     assert prompt.count("<|im_start|>") == prompt.count("<|im_end|>") + 1  # only the open assistant turn
+
+
+def test_ctrl_c_while_a_model_loads_interrupts_once_the_load_returns() -> None:
+    # SIGINT lands in llama.cpp's log callback while it loads (ctypes drops exceptions raised there): the
+    # load went on and the whole run with it. Sent here from inside that callback, the first time it logs.
+    require_llama_cpp()
+    code = """
+import logging, os, signal
+from conductor.pool import local_provider
+
+class Interrupt(logging.Handler):
+    sent = False
+    def emit(self, record):
+        if not Interrupt.sent:
+            Interrupt.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+logger = logging.getLogger(local_provider.llama_log.name)
+logger.setLevel(logging.DEBUG)
+logger.addHandler(Interrupt())
+try:
+    local_provider.load_model("a", local_provider.LocalOptions(n_threads=1),
+                              model="qwen2.5-coder-1.5b-instruct-q4_k_m", chat_format="chatml")
+    print("loaded", Interrupt.sent)
+except KeyboardInterrupt:
+    print("interrupted", Interrupt.sent)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "interrupted True", (result.stdout, result.stderr[-2000:])
