@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 
 from conductor.planner_serve import add_arguments as add_planner_serve_arguments
+from conductor.planner_serve import port
 from conductor.settings import get_settings
 from conductor.statuses import JobStatus
 
@@ -57,14 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-def port(text: str) -> int:
-    """A TCP port, 1-65535 (Flower took 70000 modulo 65536 and listened on 4464)."""
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (1-65535)")
-    return value
 
 
 def positive_int(text: str) -> int:

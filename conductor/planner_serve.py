@@ -105,8 +105,20 @@ def serve(args: argparse.Namespace) -> int:
     argv = [*launcher, *argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(argv[0], argv)
-    return 0  # not reached: execv replaces the process or raises OSError
+    try:
+        os.execv(argv[0], argv)
+    except OSError as exc:
+        print(f"conductor: cannot start {argv[0]}: {exc.strerror or exc}; {INSTALL_HINT}", file=sys.stderr)
+        return 1
+    return 0  # not reached: execv replaces the process
+
+
+def port(text: str) -> int:
+    """A TCP port, 1-65535 (an argparse type: Flower took 70000 modulo 65536 and listened on 4464)."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1-65535)")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,10 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face id or local path ({DEFAULT_MODEL})")
     parser.add_argument("--served-name", default=DEFAULT_SERVED_NAME, help="the model name pools refer to")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--port", type=port, default=DEFAULT_PORT)
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
     parser.add_argument("--structured-outputs-backend", default=DEFAULT_STRUCTURED_OUTPUTS_BACKEND,
                         help="xgrammar (default), guidance, outlines or auto")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
-                        help="anything after '--' is passed to vllm serve unchanged")
+                        help="anything after '--' is passed to vllm serve unchanged (e.g. -- --api-key KEY: "
+                        "the server has no authentication otherwise; it binds to loopback by default)")

@@ -17,12 +17,15 @@ from conductor.cli import _parser
     ["serve", "--port", "70000"],
     ["serve", "--port", "0"],
     ["flower", "--port", "70000"],
+    ["planner", "serve", "--port", "70000"],
+    ["webhooks", "secret", "--tenant", "t", "--rotate", "--keep-previous-hours", "721"],
+    ["webhooks", "secret", "--tenant", "t", "--rotate", "--keep-previous-hours", "nan"],
 ])
 def test_bad_values_are_refused_at_parse_time(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
         _parser().parse_args(argv)
     assert stopped.value.code == 2
-    assert f"argument {argv[1]}" in capsys.readouterr().err
+    assert f"argument {argv[-2]}" in capsys.readouterr().err  # the option before the bad value
 
 
 def test_good_values_pass() -> None:
