@@ -18,9 +18,29 @@ GRAMMAR_MAX_STRING_CHARS = 500
 PARALLEL_LISTS = ("model_ids", "subtasks", "access_lists")
 
 
+MAX_ENUMERATED_INTEGERS = 64
+
+
 def grammar_schema(schema: Any, cap: int = GRAMMAR_MAX_STRING_CHARS) -> Any:
-    """``schema`` ready for llama.cpp: lengths capped, the workflow's lists tied (a copy)."""
-    return tie_parallel_lists(cap_lengths(schema, cap))
+    """``schema`` ready for llama.cpp: lengths capped, small integer ranges enumerated, the workflow's lists
+    tied (a copy)."""
+    return tie_parallel_lists(enumerate_integers(cap_lengths(schema, cap)))
+
+
+def enumerate_integers(schema: Any) -> Any:
+    """Every integer with a small ``minimum``..``maximum`` range as an ``enum`` of its values (a copy):
+    llama-cpp-python's grammar ignores the bounds and admits any integer up to 16 digits, so a plan under
+    it could name step -1 or 99 (and cost a re-ask)."""
+    if isinstance(schema, dict):
+        out = {k: enumerate_integers(v) for k, v in schema.items()}
+        low, high = out.get("minimum"), out.get("maximum")
+        if (out.get("type") == "integer" and isinstance(low, int) and isinstance(high, int)
+                and 0 <= high - low < MAX_ENUMERATED_INTEGERS):
+            return {"enum": list(range(low, high + 1))}
+        return out
+    if isinstance(schema, list):
+        return [enumerate_integers(v) for v in schema]
+    return schema
 
 
 def tie_parallel_lists(schema: Any) -> Any:

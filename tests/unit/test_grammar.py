@@ -39,6 +39,8 @@ def test_a_real_llama_cpp_grammar_compiles_from_the_tied_schema() -> None:
     rules = grammar._grammar  # the GBNF llama.cpp compiled: one alternative per step count, each naming the keys
     assert all(f"alternative-{n - 1}-model-ids-kv" in rules for n in range(1, 6)) and "alternative-5" not in rules
     assert '\\"conductor\\"' in rules and '\\"a\\"' in rules  # the agent names are the only choices
+    # step numbers are the only integers (llama-cpp-python's grammar ignores minimum/maximum: any integer)
+    assert "integral-part" not in rules and 'access-lists-item-0-item ::= "0" | "1" | "2" | "3" | "4"' in rules
 
 
 def test_other_schemas_are_only_capped() -> None:
