@@ -134,7 +134,9 @@ def _self_assembled(model: PackagedModel, agent: str) -> Path:
     try:
         return Path(assemble())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"agent '{agent}': cannot prepare the model file of {model.name}: {exc}") from exc
+        hint = ("; a file left by an interrupted first run: delete it and run again"
+                if "unexpected sha256" in str(exc) else "")
+        raise ConfigError(f"agent '{agent}': cannot prepare the model file of {model.name}: {exc}{hint}") from exc
 
 
 def _reporter(stream: TextIO | None, model: PackagedModel) -> Callable[[int], None]:
@@ -155,6 +157,7 @@ def _join(paths: list[Path], target: Path, model: PackagedModel, *, report: Call
     """Concatenates the slices into a temporary file, checks size and SHA-256, then renames it into place
     (so a crash or a concurrent process never sees a partial model)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(target)
     partial = target.with_suffix(f".partial-{os.getpid()}")
     digest = hashlib.sha256()
     written = 0
@@ -176,6 +179,25 @@ def _join(paths: list[Path], target: Path, model: PackagedModel, *, report: Call
         partial.replace(target)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Deletes the partial files of joins whose process is gone (killed mid-join: a ``kill -9`` leaves up to
+    1.1 GB that nothing else removes); a live process's join is left alone."""
+    for stale in target.parent.glob(f"{target.stem}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def main() -> None:  # pragma: no cover - a maintenance helper: python -m conductor.pool.local_models

@@ -65,3 +65,34 @@ def test_the_shipped_default_model_assembles_to_its_pinned_hash(tmp_path: Path) 
     assert header[:4] == b"GGUF"
     assert b"Qwen2.5 Coder 1.5B Instruct" in header
     assert b"<|im_start|>" in header  # the ChatML chat template travels in the file
+
+
+def test_a_partial_file_of_a_killed_join_is_removed_and_a_live_ones_kept(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import subprocess
+
+    model = fake_model(tmp_path, monkeypatch, [b"GGUF", b"data"])
+    models = tmp_path / "models"
+    models.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a process that has ended
+    (models / f"fake.partial-{dead}").write_bytes(b"x" * 1000)  # what a kill -9 mid-join leaves
+    (models / f"fake.partial-{os.getppid()}").write_bytes(b"y")  # a live process's join in progress
+    model_file(model, agent="x")
+    assert sorted(p.name for p in models.iterdir()) == sorted(["fake.gguf", f"fake.partial-{os.getppid()}"])
+
+
+def test_a_self_assembled_models_leftover_file_is_named_with_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Gemma package assembles into its own cache; a first run killed mid-way left a file it refuses
+    module = types.ModuleType("fake_assembler")
+
+    def assemble() -> str:
+        raise ValueError("/root/.cache/x/model.gguf already exists with an unexpected sha256; pass overwrite=True")
+
+    module.assemble = assemble  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_assembler", module)
+    model = PackagedModel(name="g", file_name="g.gguf", pip_requirement="g", chat_format="gemma",
+                          description="g", assembler="fake_assembler:assemble")
+    with pytest.raises(ConfigError, match=r"model\.gguf already exists.*delete it and run again"):
+        model_file(model, agent="x")
