@@ -33,6 +33,7 @@ from conductor.pool.config import PoolConfig, PoolError, check_planner_ref
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.models import Job, JobStatus, Step, StepStatus, utcnow
+from conductor.store.webhooks import default_webhook_url
 from conductor.submission import SubmissionError, resolve_pool
 from conductor.workflow import CONDUCTOR_AGENT, FieldError, Workflow, WorkflowError, parse_workflow
 from conductor.workflow import Step as WorkflowStep
@@ -102,7 +103,11 @@ def create_replay(
         request_workflow=workflow,
         limits=original.limits,
         meta=original.meta,
-        webhook_url=original.webhook_url,
+        # the tenant's default as it is now when the original used the default (the operator may have
+        # changed or cleared it since); a URL the original named itself, as it was
+        webhook_url=default_webhook_url(session, tenant=original.tenant) if original.webhook_url_from_default
+        else original.webhook_url,
+        webhook_url_from_default=original.webhook_url_from_default,
         replay_of=original.id,
         replay_from_step=body.from_step,
         replay_agents=overrides or None,

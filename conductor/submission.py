@@ -263,6 +263,7 @@ def create_job(
     pool = validate_request(body, settings, allow_pool_path=allow_pool_path)
     # Never added to a session (``insert_job`` is one Core INSERT), so it is built without the ORM's
     # instrumentation: model_construct fills in the same defaults at a fifth of the CPU (0.38 -> 0.08 ms).
+    webhook_url = str(body.webhook_url) if body.webhook_url else default_webhook_url(session, tenant=tenant)
     job = Job.model_construct(
         tenant=tenant,
         task=body.task,
@@ -272,7 +273,8 @@ def create_job(
         request_workflow=body.workflow,
         limits=body.limits.model_dump(mode="json"),
         meta=body.metadata,
-        webhook_url=str(body.webhook_url) if body.webhook_url else default_webhook_url(session, tenant=tenant),
+        webhook_url=webhook_url,
+        webhook_url_from_default=True if webhook_url is not None and not body.webhook_url else None,
         idempotency_key=idempotency_key,
         request_hash=digest,
         context=context or None,

@@ -136,6 +136,9 @@ class Job(SQLModel, table=True):
     limits: dict[str, Any] = _json(dict, nullable=False)
     meta: dict[str, Any] = Field(default_factory=dict, sa_column=Column("metadata", JSONType, nullable=False))
     webhook_url: str | None = Field(default=None, max_length=2048)
+    webhook_url_from_default: bool | None = None
+    """True when ``webhook_url`` is the tenant's default (the request named none): a replay then sends to
+    the default as it is at the replay. None otherwise (left out of the insert)."""
     idempotency_key: str | None = Field(default=None, max_length=255)
     request_hash: str | None = Field(default=None, max_length=64)
     cancel_requested: bool = False

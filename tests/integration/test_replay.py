@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 from sqlmodel import select
 
 from conductor.store.db import session_scope
@@ -180,3 +181,38 @@ def test_a_replan_on_a_pool_without_the_originals_planner_is_refused(client: htt
     r = client.post(f"/v1/jobs/{original['id']}/replay", json={"pool": "replay-other", "agents": {"0": "z"}})
     assert r.status_code == 202, r.text
     assert wait_terminal(client, r.json()["id"])["status"] == "succeeded"
+
+
+def test_a_replay_sends_to_the_tenants_default_webhook_as_it_is_now(client: httpx.Client) -> None:
+    """A job that named no webhook URL used its tenant's default; once the operator changed or cleared the
+    default (a compromised endpoint, say), a replay sent the signed result to the old one all the same.
+    A URL the job named itself is kept."""
+    from conductor.store import webhooks
+
+    workflow = {"model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}
+    own = client.post("/v1/jobs", json={"task": "t", "workflow": workflow,
+                                        "webhook_url": "https://hooks.example.com/mine"}).json()["id"]
+    with session_scope() as s:
+        name = s.get(Job, own).tenant  # type: ignore[union-attr]
+        webhooks.set_default_webhook_url(s, tenant=name, url="https://hooks.example.com/old-default")
+    try:
+        defaulted = client.post("/v1/jobs", json={"task": "t", "workflow": workflow}).json()["id"]
+        for job_id in (own, defaulted):
+            wait_terminal(client, job_id)
+        with session_scope() as s:
+            webhooks.set_default_webhook_url(s, tenant=name, url=None)  # cleared since
+        replays = {job_id: client.post(f"/v1/jobs/{job_id}/replay", json={}).json()["id"]
+                   for job_id in (own, defaulted)}
+        for replayed in replays.values():
+            wait_terminal(client, replayed)
+        with session_scope() as s:
+            urls = {job_id: s.get(Job, replays[job_id]).webhook_url for job_id in replays}  # type: ignore[union-attr]
+            original = s.get(Job, defaulted)
+            assert original is not None and original.webhook_url == "https://hooks.example.com/old-default"
+        assert urls == {own: "https://hooks.example.com/mine", defaulted: None}
+    finally:
+        with session_scope() as s:
+            webhooks.set_default_webhook_url(s, tenant=name, url=None)
+            # (example.com hooks: no delivery left retrying for later modules' workers)
+            s.execute(sa.text("UPDATE webhook_delivery SET status = 'failed' WHERE tenant = :t AND status = "
+                              "'pending'"), {"t": name})
