@@ -120,11 +120,7 @@ def previous_webhook_secret(session: Session, *, tenant: str) -> str | None:
     stored = str(found[0])
     plain = unseal(stored)
     if needs_sealing(stored):
-        session.execute(
-            sa.update(TenantSettings)
-            .where(col(TenantSettings.tenant) == tenant, col(TenantSettings.previous_webhook_secret) == stored)
-            .values(previous_webhook_secret=seal(plain))
-        )
+        _reseal(session, tenant, stored, plain, column="previous_webhook_secret")
     return plain
 
 
@@ -386,12 +382,13 @@ def ensure_webhook_secret(session: Session, *, tenant: str, new: str) -> str:
     return plain
 
 
-def _reseal(session: Session, tenant: str, stored: str, plain: str) -> bool:
-    """Writes ``plain`` sealed with the first key, unless the stored value changed meanwhile."""
+def _reseal(session: Session, tenant: str, stored: str, plain: str, *, column: str = "webhook_secret") -> bool:
+    """Writes ``plain`` sealed with the first key into ``column`` (the current secret, or the one a
+    rotation replaced), unless the stored value changed meanwhile."""
     done = session.execute(
         sa.update(TenantSettings)
-        .where(col(TenantSettings.tenant) == tenant, col(TenantSettings.webhook_secret) == stored)
-        .values(webhook_secret=seal(plain))
+        .where(col(TenantSettings.tenant) == tenant, col(getattr(TenantSettings, column)) == stored)
+        .values({column: seal(plain)})
     )
     return _rowcount(done) == 1
 
@@ -440,10 +437,11 @@ def _reseal_previous(session: Session, tenant: str | None) -> list[str]:
         stmt = stmt.where(col(TenantSettings.tenant) == tenant)
     unopened = []
     for name, stored, expires_at in session.execute(stmt).all():
-        update = sa.update(TenantSettings).where(col(TenantSettings.tenant) == name,
-                                                 col(TenantSettings.previous_webhook_secret) == stored)
         if expires_at is None or expires_at <= utcnow():
-            session.execute(update.values(previous_webhook_secret=None, previous_secret_expires_at=None))
+            session.execute(sa.update(TenantSettings)
+                            .where(col(TenantSettings.tenant) == name,
+                                   col(TenantSettings.previous_webhook_secret) == stored)
+                            .values(previous_webhook_secret=None, previous_secret_expires_at=None))
             continue
         if not needs_sealing(str(stored)):
             continue
@@ -452,7 +450,7 @@ def _reseal_previous(session: Session, tenant: str | None) -> list[str]:
         except SealError:
             unopened.append(str(name))
             continue
-        session.execute(update.values(previous_webhook_secret=seal(plain)))
+        _reseal(session, str(name), str(stored), plain, column="previous_webhook_secret")
     return unopened
 
 

@@ -4,6 +4,8 @@ hot path's ``transaction`` skips the probe and runs its body once more on a fres
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -147,41 +149,56 @@ def new_job_row() -> str:
     return job.id
 
 
-def test_a_step_meeting_a_full_pool_is_left_queued_not_failed(monkeypatch: Any) -> None:
-    """Every pooled connection busy past the pool's timeout (a stalled database, 1,000 greenlets on 30
-    connections) is the database being away: the claim raises and the step stays queued for a re-send.
-    Before, SQLAlchemy's pool TimeoutError was taken for a bug and the step was failed (and its job)."""
-    from conductor import engine as engine_module
-    from conductor.engine import plan_job, run_step
+@contextmanager
+def every_pooled_connection_held(monkeypatch: Any) -> Iterator[None]:
+    """Every connection of this process's shared pool checked out (a stall, or 1,000 greenlets on 30
+    connections), with a pool timeout short enough for a test; then the default engines again."""
     from conductor.store.db import clear_engines
-    from conductor.submission import JobCreate, create_job
 
-    with session_scope() as s:
-        job, _ = create_job(s, JobCreate.model_validate({"task": "full pool", "workflow": {
-            "model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}}), tenant="pool", settings=get_settings())
-    plan_job(job.id, settings=get_settings())
     monkeypatch.setenv("CONDUCTOR_DB_POOL_TIMEOUT_S", "0.2")
     get_settings.cache_clear()
     clear_engines()
-    failed_as_bugs: list[str] = []
-    real = engine_module._fail_unclaimable
-    monkeypatch.setattr(engine_module, "_fail_unclaimable",  # a spy: records, then does what it does
-                        lambda job_id, *a, **k: failed_as_bugs.append(job_id) or real(job_id, *a, **k))
     kept, overflow = pool_sizes()
     held = [get_engine().connect() for _ in range(kept + overflow)]
     try:
-        with pytest.raises(sa.exc.TimeoutError):
-            run_step(job.id, 0, worker="w", task_id=None, settings=get_settings())
+        yield
     finally:
         for conn in held:
             conn.close()
         monkeypatch.delenv("CONDUCTOR_DB_POOL_TIMEOUT_S")
         get_settings.cache_clear()
         clear_engines()
+
+
+def planned_one_step_job(task: str) -> str:
+    from conductor.engine import plan_job
+    from conductor.submission import JobCreate, create_job
+
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": task, "workflow": {
+            "model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}}), tenant="pool", settings=get_settings())
+    plan_job(job.id, settings=get_settings())
+    return job.id
+
+
+def test_a_step_meeting_a_full_pool_is_left_queued_not_failed(monkeypatch: Any) -> None:
+    """Every pooled connection busy past the pool's timeout (a stalled database, 1,000 greenlets on 30
+    connections) is the database being away: the claim raises and the step stays queued for a re-send.
+    Before, SQLAlchemy's pool TimeoutError was taken for a bug and the step was failed (and its job)."""
+    from conductor import engine as engine_module
+    from conductor.engine import run_step
+
+    job_id = planned_one_step_job("full pool")
+    failed_as_bugs: list[str] = []
+    real = engine_module._fail_unclaimable
+    monkeypatch.setattr(engine_module, "_fail_unclaimable",  # a spy: records, then does what it does
+                        lambda job_id, *a, **k: failed_as_bugs.append(job_id) or real(job_id, *a, **k))
+    with every_pooled_connection_held(monkeypatch), pytest.raises(sa.exc.TimeoutError):
+        run_step(job_id, 0, worker="w", task_id=None, settings=get_settings())
     assert failed_as_bugs == []
     with session_scope() as s:
-        step = store.get_step(s, job_id=job.id, index=0)
-        row = store.get_job(s, job_id=job.id)
+        step = store.get_step(s, job_id=job_id, index=0)
+        row = store.get_job(s, job_id=job_id)
     assert step is not None and step.status == "queued" and step.attempts == 0
     assert row is not None and row.status == "running"
 
@@ -193,7 +210,6 @@ def test_the_lease_heartbeat_renews_while_every_pooled_connection_is_busy(monkey
     from datetime import timedelta
 
     from conductor.lease import Heartbeat
-    from conductor.store.db import clear_engines
     from conductor.store.models import Step, utcnow
 
     job_id = new_job_row()
@@ -204,21 +220,9 @@ def test_the_lease_heartbeat_renews_while_every_pooled_connection_is_busy(monkey
         s.flush()
         assert step.id is not None
         step_id = step.id
-    monkeypatch.setenv("CONDUCTOR_DB_POOL_TIMEOUT_S", "0.2")
-    get_settings.cache_clear()
-    clear_engines()
-    kept, overflow = pool_sizes()
-    held = [get_engine().connect() for _ in range(kept + overflow)]
-    try:
-        heartbeat = Heartbeat(30.0)
-        with heartbeat.holding(step_id, "hb-owner"):
-            assert heartbeat.beat() == 1  # renewed on its own connection
-    finally:
-        for conn in held:
-            conn.close()
-        monkeypatch.delenv("CONDUCTOR_DB_POOL_TIMEOUT_S")
-        get_settings.cache_clear()
-        clear_engines()
+    heartbeat = Heartbeat(30.0)
+    with every_pooled_connection_held(monkeypatch), heartbeat.holding(step_id, "hb-owner"):
+        assert heartbeat.beat() == 1  # renewed on its own connection
     with session_scope() as s:
         renewed = s.execute(sa.text("SELECT lease_expires_at > now() + interval '20 seconds' FROM step "
                                     "WHERE id = :i"), {"i": step_id}).scalar_one()
@@ -229,14 +233,10 @@ def test_a_paid_answer_is_recorded_once_the_database_is_back(monkeypatch: Any) -
     """The outcome transaction of a step whose call was paid for meets the database away (here: no pooled
     connection free in time, once): it is tried again while the lease holds, and the answer is kept.
     Before, the error left the step running until its lease lapsed, and the call was made (and paid) again."""
-    from conductor.engine import plan_job, run_step
+    from conductor.engine import run_step
     from conductor.store import db
-    from conductor.submission import JobCreate, create_job
 
-    with session_scope() as s:
-        job, _ = create_job(s, JobCreate.model_validate({"task": "record me", "workflow": {
-            "model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}}), tenant="pool", settings=get_settings())
-    plan_job(job.id, settings=get_settings())
+    job_id = planned_one_step_job("record me")
     real = store.lock_job_and_record
     faults: list[str] = []
 
@@ -248,10 +248,10 @@ def test_a_paid_answer_is_recorded_once_the_database_is_back(monkeypatch: Any) -
 
     monkeypatch.setattr(store, "lock_job_and_record", away_once)
     monkeypatch.setattr(db, "PATIENCE_FIRST_WAIT_S", 0.05)
-    run_step(job.id, 0, worker="w", task_id=None, settings=get_settings())
+    run_step(job_id, 0, worker="w", task_id=None, settings=get_settings())
     assert faults == ["pool timeout"]
     with session_scope() as s:
-        step = store.get_step(s, job_id=job.id, index=0)
-        row = store.get_job(s, job_id=job.id)
+        step = store.get_step(s, job_id=job_id, index=0)
+        row = store.get_job(s, job_id=job_id)
     assert step is not None and step.status == "succeeded" and step.attempts == 1
     assert row is not None and row.status == "succeeded" and row.answer == step.output

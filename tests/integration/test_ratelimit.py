@@ -10,7 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -162,9 +162,11 @@ def test_process_wide_limiter_uses_the_broker_redis() -> None:
     assert limiter.client.ping()
 
 
-def test_a_planner_call_takes_a_slot_of_its_agents_limit_like_a_step(agent: str) -> None:
-    """A job may name any agent of its pool as its planner: its calls share that agent's bucket (and the
-    tenant's fair share of it) with the agent's steps, so planning never sends past the provider's rpm."""
+def _plan_with_the_bucket_spent(bucket: str, planner: str, agents: Callable[[dict[str, Any]], dict[str, Any]]
+                                ) -> tuple[Any, list[Any]]:
+    """Takes every slot of this minute from ``bucket`` (as its agent's steps would), then plans with agent
+    ``planner`` of the pool whose ``agents`` are built around an OpenAI-compatible loopback server's entry;
+    returns the plan and the requests that server received."""
     from types import SimpleNamespace
 
     from conductor.planning.planner import _plan_with_agent
@@ -174,16 +176,22 @@ def test_a_planner_call_takes_a_slot_of_its_agents_limit_like_a_step(agent: str)
 
     settings = Settings(broker_url=get_settings().broker_url, rate_limit_wait_s=0.2, step_max_attempts=1)
     limiter = get_limiter(settings.broker_url)
-    for _ in range(SLOW_RPM):  # the agent's steps took every slot of this minute
-        limiter.acquire(agent, SLOW_RPM, timeout_s=0, tenant="t")
+    for _ in range(SLOW_RPM):
+        limiter.acquire(bucket, SLOW_RPM, timeout_s=0, tenant="t")
     job: Any = SimpleNamespace(task="t", context=None, depth=0, tenant="t", limits={}, planner_input_tokens=0,
                                planner_output_tokens=0, planner_cost_usd=0.0)
     with FakeOpenAIServer(reply=lambda _body: WORKFLOW) as server:
-        pool = PoolConfig.model_validate({"planner": agent, "agents": {
-            agent: {"provider": "openai_compatible", "model": "m", "base_url": server.base_url, "rpm": SLOW_RPM},
-            "coder": {"provider": "sim"}}})
-        result = _plan_with_agent(job, pool, agent, settings, max_steps=3, allow_conductor=False)
-        requests = list(server.requests)
+        model = {"provider": "openai_compatible", "model": "m", "base_url": server.base_url, "rpm": SLOW_RPM}
+        pool = PoolConfig.model_validate({"planner": planner, "agents": agents(model)})
+        result = _plan_with_agent(job, pool, planner, settings, max_steps=3, allow_conductor=False)
+        return result, list(server.requests)
+
+
+def test_a_planner_call_takes_a_slot_of_its_agents_limit_like_a_step(agent: str) -> None:
+    """A job may name any agent of its pool as its planner: its calls share that agent's bucket (and the
+    tenant's fair share of it) with the agent's steps, so planning never sends past the provider's rpm."""
+    result, requests = _plan_with_the_bucket_spent(agent, agent, lambda model: {
+        agent: model, "coder": {"provider": "sim"}})
     assert requests == []  # no slot within the wait: the planner was not called past the limit
     assert result.source == "fallback" and "rate limit" in (result.error or "")
 
@@ -192,29 +200,12 @@ def test_agents_in_one_bucket_share_its_slots(agent: str) -> None:
     """A planner agent on the same provider model as a worker (the hosted pool of ``conductor run``) names
     the worker's bucket: once the worker's steps took the minute's slots, the planner waits for them too,
     so the two together never send past the model's rpm."""
-    from types import SimpleNamespace
-
-    from conductor.planning.planner import _plan_with_agent
-    from conductor.pool.config import PoolConfig
-    from conductor.settings import Settings
-    from tests.fakes.openai_server import FakeOpenAIServer
-
-    settings = Settings(broker_url=get_settings().broker_url, rate_limit_wait_s=0.2, step_max_attempts=1)
     planner = f"{agent}-planner"
-    limiter = get_limiter(settings.broker_url)
-    for _ in range(SLOW_RPM):  # the worker's steps took every slot of this minute
-        limiter.acquire(agent, SLOW_RPM, timeout_s=0, tenant="t")
-    job: Any = SimpleNamespace(task="t", context=None, depth=0, tenant="t", limits={}, planner_input_tokens=0,
-                               planner_output_tokens=0, planner_cost_usd=0.0)
-    with FakeOpenAIServer(reply=lambda _body: WORKFLOW) as server:
-        model = {"provider": "openai_compatible", "model": "m", "base_url": server.base_url, "rpm": SLOW_RPM}
-        pool = PoolConfig.model_validate({"planner": planner, "agents": {
-            planner: {**model, "rpm_bucket": agent}, agent: model}})
-        result = _plan_with_agent(job, pool, planner, settings, max_steps=3, allow_conductor=False)
-        requests = list(server.requests)
+    result, requests = _plan_with_the_bucket_spent(agent, planner, lambda model: {
+        planner: {**model, "rpm_bucket": agent}, agent: model})
     assert requests == []  # the worker's bucket was empty: the planner was not called past it
     assert result.source == "fallback" and "rate limit" in (result.error or "")
-    r = redis.Redis.from_url(settings.broker_url)
+    r = redis.Redis.from_url(get_settings().broker_url)
     assert not list(r.scan_iter(f"{RateLimiter(r).key(planner)}*"))  # no bucket of its own name was made
 
 
