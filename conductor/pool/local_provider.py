@@ -265,7 +265,8 @@ class LocalProvider(Provider):
                     model=self.config.model,
                     stream=True,
                 )
-                text, output_tokens, finish_reason = _collect(chunks, deadline, self.agent, options.timeout_s)
+                text, pieces, finish_reason = _collect(chunks, deadline, self.agent, options.timeout_s)
+                output_tokens = _output_tokens(loaded.llm, text, pieces, max_tokens)
             except ValueError as exc:
                 raise _value_error(exc, self.agent) from exc
             except RuntimeError as exc:
@@ -284,15 +285,26 @@ class LocalProvider(Provider):
         )
 
 
+def _output_tokens(llm: Any, text: str, pieces: int, max_tokens: int) -> int:
+    """The answer's tokens. A streamed piece is not one token: llama-cpp-python holds back the tokens of a
+    character split across several (an emoji, a CJK or a rare character) and sends them as one piece
+    (seen: 20 pieces for 40 tokens), so the text is tokenized again; a piece is at least one token, so
+    the count is never below the pieces (a constrained model may emit a character's bytes as tokens that
+    tokenize shorter), and llama.cpp stops at ``max_tokens``."""
+    retokenized = len(llm.tokenize(text.encode("utf-8", "surrogatepass"), add_bos=False, special=True)) if text else 0
+    return min(max(pieces, retokenized), max_tokens)
+
+
 def _collect(chunks: Any, deadline: float, agent: str, timeout_s: float) -> tuple[str, int, str]:
-    """Reads a streamed completion (one token per chunk) until it ends or the deadline passes."""
+    """Reads a streamed completion until it ends or the deadline passes: its text, its pieces (each one
+    token or more, empty ones included) and why it stopped."""
     parts: list[str] = []
     tokens = 0
     finish_reason = "stop"
     for chunk in chunks:
         choice = chunk["choices"][0]
         piece = (choice.get("delta") or {}).get("content")
-        if piece:
+        if piece is not None:
             parts.append(piece)
             tokens += 1
         finish_reason = choice.get("finish_reason") or finish_reason

@@ -115,6 +115,23 @@ def test_the_real_model_answers_with_real_token_counts(provider: LocalProvider) 
 
 
 @slow
+def test_output_tokens_are_llama_cpps_own_count_when_a_character_spans_tokens(provider: LocalProvider) -> None:
+    """llama-cpp-python streams a character made of several tokens as one piece: counting pieces gave 20
+    output tokens where llama.cpp's own usage says 40 (the answer echoes rare characters). It runs to
+    max_tokens at a character's end (64 here): one cut inside a character is counted 2 tokens past
+    max_tokens by llama.cpp itself."""
+    rare = "\U00013000\U00013050\U000130f0 \ua66e \U0001d510\U0001d51e\U0001d524 \u00e9\U0001f600"
+    messages = [Message("user", f"Repeat exactly: {rare}")]
+    c = provider.complete(messages, CallOptions(max_tokens=64, temperature=0.0))
+    _, handler = local_provider._chat_format(provider.agent, provider.chat_format)
+    same = handler(llama=provider.load().llm, messages=provider._chat(messages), temperature=0.0, max_tokens=64,
+                   model=MODEL, stream=False)
+    assert same["choices"][0]["message"]["content"].strip() == c.text  # the same greedy answer, not streamed
+    assert any(ord(ch) > 0xFFFF for ch in c.text)  # it holds characters llama.cpp splits into several tokens
+    assert c.output_tokens == same["usage"]["completion_tokens"]
+
+
+@slow
 def test_system_text_reaches_the_model_under_the_gemma_format(provider: LocalProvider) -> None:
     """llama-cpp-python's ``gemma`` format drops system messages; the provider folds them in."""
     short = provider.complete([Message("user", "Hi")], CallOptions(max_tokens=1))
