@@ -18,7 +18,7 @@ from tests.integration.harness import ROOT
 IMAGE = "conductor-queue:local"
 
 
-def compose_config() -> dict[str, Any]:
+def compose_config(env: dict[str, str] | None = None) -> dict[str, Any]:
     plugin = shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
                                                         capture_output=True).returncode == 0
     if plugin:
@@ -28,7 +28,7 @@ def compose_config() -> dict[str, Any]:
     else:
         pytest.fail("neither 'docker compose' nor 'docker-compose' is installed: run scripts/ensure-tools.sh")
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"})
+                          env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", **(env or {})})
     assert done.returncode == 0, done.stderr
     config: dict[str, Any] = yaml.safe_load(done.stdout)
     return config
@@ -55,6 +55,20 @@ def test_compose_file_is_valid_and_runs_real_cli_commands() -> None:
     assert services["planner"]["network_mode"] == "service:vllm"  # beside the model it calls
     assert "CONDUCTOR_METRICS_TOKEN" in services["api"]["environment"]
     assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]
+
+
+def test_what_the_readme_says_comes_from_dot_env_reaches_the_services() -> None:
+    """The README says .env gives the broker URLs (an external Redis) and the hosted planner recipe's
+    PLANNER_API_KEY: compose used its own Redis whatever .env said, and never passed the planner key."""
+    given = {"CONDUCTOR_BROKER_URL": "redis://ext.example:6379/3", "CONDUCTOR_RESULT_BACKEND": "redis://ext.example:6379/4",
+             "PLANNER_API_KEY": "pk-test"}
+    services = compose_config(given)["services"]
+    conductor_services = [svc for svc in services.values() if svc.get("image") == IMAGE]
+    assert conductor_services
+    for svc in conductor_services:
+        assert svc["environment"]["CONDUCTOR_BROKER_URL"] == given["CONDUCTOR_BROKER_URL"]
+        assert svc["environment"]["CONDUCTOR_RESULT_BACKEND"] == given["CONDUCTOR_RESULT_BACKEND"]
+    assert services["worker"]["environment"]["PLANNER_API_KEY"] == "pk-test"
 
 
 def test_postgres_admits_every_connection_the_services_may_open() -> None:
