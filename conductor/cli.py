@@ -27,6 +27,28 @@ class CliError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    try:
+        return _main(argv)
+    except ValidationError as exc:
+        if exc.title != "Settings" or os.environ.get("CONDUCTOR_DEBUG"):
+            raise
+        print(f"conductor: {settings_problem(exc)}", file=sys.stderr)
+        return 1
+
+
+def settings_problem(exc: Any) -> str:
+    """A settings ``ValidationError`` as one line naming each variable (values are never echoed)."""
+    problems = []
+    for error in exc.errors():
+        name = "CONDUCTOR_" + "_".join(str(part) for part in error["loc"]).upper() if error["loc"] else "settings"
+        problems.append(f"{name}: {error['msg']}")
+    return ("invalid setting: " + "; ".join(problems)
+            + " (fix the environment or .env; conductor/settings.py lists each setting and its bounds)")
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)

@@ -4,6 +4,11 @@ bad --loglevel crashed the supervised worker's child at start, and it was restar
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from conductor.cli import _parser
@@ -32,3 +37,20 @@ def test_good_values_pass() -> None:
     args = _parser().parse_args(["worker", "--loglevel", "WARNING", "--concurrency", "1000"])
     assert (args.loglevel, args.concurrency) == ("warning", 1000)
     assert _parser().parse_args(["flower", "--port", "65535"]).port == 65535
+
+
+@pytest.mark.parametrize("argv", [["status", "some-job"], ["--help"], ["worker", "--help"]])
+def test_a_bad_setting_is_one_line_naming_the_variable_not_a_traceback(argv: list[str], tmp_path: Path) -> None:
+    """The parser reads settings for its defaults, outside the handlers' error handling: a bad setting
+    (even with --help) was a pydantic traceback, and a mistyped secrets key's message carries no value."""
+    env = {**os.environ, "CONDUCTOR_MAX_STEPS": "100", "CONDUCTOR_SECRETS_KEY": "whsec-not-a-fernet-key"}
+    env.pop("CONDUCTOR_DEBUG", None)
+    done = subprocess.run([sys.executable, "-c", "import sys; from conductor.cli import main; sys.exit(main())", *argv],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("conductor: invalid setting: ")
+    assert "CONDUCTOR_MAX_STEPS: Input should be less than or equal to 50" in lines[0]
+    assert "CONDUCTOR_SECRETS_KEY: " in lines[0]
+    assert "whsec-not-a-fernet-key" not in done.stderr
