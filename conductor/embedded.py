@@ -26,6 +26,7 @@ from conductor.statuses import JobStatus, StepStatus
 
 DB_FILE = "conductor.sqlite3"
 LOG_FILE = "conductor.log"
+MIGRATE_LOCK_FILE = ".migrate.lock"
 MEMORY_BROKER = "memory://"
 MEMORY_RESULT_BACKEND = "cache+memory://"
 BROKER_POLLING_INTERVAL_S = 0.005
@@ -465,7 +466,7 @@ def embedded_session(pool: str | None, *, data_dir: Path | None, err: TextIO) ->
         print("note: this pool is SIMULATED: its agents echo their instructions; nothing is solved.", file=err)
     print(f"store: {settings.database_url.removeprefix('sqlite:///')}", file=err)
     log_path = _setup_logging(directory)
-    _migrate(settings)
+    _migrate(settings, directory)
     preflight(pool_config, err)
     app = configure_celery(settings)
     with embedded_worker(app, log_path):
@@ -504,13 +505,26 @@ def _resolve_pool(pool: str, settings: Settings) -> tuple[Settings, Any]:
     return get_settings(), config
 
 
-def _migrate(settings: Settings) -> None:
+@contextmanager
+def _migration_lock(directory: Path) -> Iterator[None]:
+    """One migration of the store at a time: two ``conductor run`` started together on a data directory
+    at an old revision both added the same columns, and the second failed ("duplicate column name").
+    An exclusive flock on a file beside the store, released when the file closes (or the process dies)."""
+    import fcntl
+
+    with open(directory / MIGRATE_LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _migrate(settings: Settings, directory: Path) -> None:
     from sqlalchemy.exc import SQLAlchemyError
 
     from conductor.migrations.migrate import upgrade
 
     try:
-        upgrade(settings.database_url)
+        with _migration_lock(directory):
+            upgrade(settings.database_url)
     except SQLAlchemyError as exc:
         raise EmbeddedError(f"cannot prepare the store {settings.database_url}: {exc.__class__.__name__}") from exc
 

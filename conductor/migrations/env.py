@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 from alembic import context
-from sqlalchemy import engine_from_config, pool
+from sqlalchemy import Connection, engine_from_config, pool, text
 from sqlmodel import SQLModel
 
 import conductor.store.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from conductor.migrations.migrate import LOCK_KEY
 from conductor.settings import get_settings
 
 config = context.config
@@ -20,9 +23,23 @@ def run_offline() -> None:
         context.run_migrations()
 
 
+def lock_migrations(connection: Connection) -> None:
+    """On Postgres, waits for any other migration of this database, then holds the session-level advisory
+    lock LOCK_KEY until the connection closes (NullPool: when this run ends, even by an error). Committed
+    before Alembic starts, so Alembic's own transactions run inside the lock. The embedded SQLite store
+    is locked by conductor.embedded instead (a file lock in its data directory)."""
+    if connection.dialect.name != "postgresql":
+        return
+    if not connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": LOCK_KEY}).scalar():
+        print("conductor: another migration of this database is running; waiting for it to finish", file=sys.stderr)
+        connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": LOCK_KEY})
+    connection.commit()
+
+
 def run_online() -> None:
     engine = engine_from_config({"sqlalchemy.url": url}, prefix="sqlalchemy.", poolclass=pool.NullPool)
     with engine.connect() as connection:
+        lock_migrations(connection)
         context.configure(
             connection=connection, target_metadata=target_metadata, render_as_batch=url.startswith("sqlite")
         )

@@ -3,9 +3,13 @@ parent would leave two heads, and `conductor migrate` (upgrade to "head") would 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from alembic.script import ScriptDirectory
 
-from conductor.migrations.migrate import alembic_config
+from conductor.embedded import database_url
+from conductor.migrations.migrate import alembic_config, upgrade
+from tests.migrating import revisions, run_together
 
 
 def test_one_head_and_every_revision_reachable_from_it() -> None:
@@ -38,3 +42,15 @@ def test_the_in_flight_triggers_count_exactly_the_unfinished_statuses() -> None:
     for clause in (migration.OLD_IN_FLIGHT, migration.NEW_IN_FLIGHT):
         assert set(re.findall(r"'([a-z_]+)'", clause)) == index
         assert "parent_job_id IS NULL" in clause
+
+
+def test_two_runs_migrating_one_old_data_dir_at_once_both_succeed(tmp_path: Path) -> None:
+    # without the lock the second failed: duplicate column name (or a batch copy of a half-altered table)
+    upgrade(database_url(tmp_path), "0005_batches")
+    setup = ("from pathlib import Path\nfrom conductor import embedded\n"
+             "directory = Path(sys.argv[1])\nsettings = embedded.use_store(directory)")
+    done = run_together(setup, "embedded._migrate(settings, directory)", str(tmp_path), count=3)
+    for result in done:
+        assert result.returncode == 0, result.stderr
+    current, heads = revisions(database_url(tmp_path))
+    assert current == heads

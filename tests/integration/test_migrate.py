@@ -1,0 +1,39 @@
+"""``conductor migrate`` on a database of its own (created and dropped here, named after the test
+database): concurrent runners, and the schema it leaves against the models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from conductor.settings import get_settings
+from tests.migrating import revisions, run_together
+
+
+@pytest.fixture
+def fresh_url() -> Iterator[str]:
+    base = sa.make_url(get_settings().database_url)
+    name = f"{base.database}_fresh"
+    admin = sa.create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield base.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def test_two_migrations_of_one_empty_database_at_once_both_succeed(
+        fresh_url: str, proc_env: dict[str, str]) -> None:
+    # without a lock the second died half-way: duplicate key value violates "pg_type_typname_nsp_index"
+    env = {**proc_env, "CONDUCTOR_DATABASE_URL": fresh_url}
+    done = run_together("from conductor.cli import main", "sys.exit(main(['migrate']))", count=3, env=env)
+    for result in done:
+        assert result.returncode == 0 and "latest revision" in result.stdout, result.stderr
+    current, heads = revisions(fresh_url)
+    assert current == heads

@@ -1,0 +1,56 @@
+"""For the migration tests: where a database's schema is, and migrations raced against each other."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import sqlalchemy as sa
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from conductor.migrations.migrate import alembic_config
+from tests.conftest import TESTS
+
+
+def revisions(url: str) -> tuple[set[str], set[str]]:
+    """The database's current revisions, and the package's heads."""
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            current = set(MigrationContext.configure(conn).get_current_heads())
+    finally:
+        engine.dispose()
+    return current, set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+
+
+def run_together(setup: str, statement: str, *args: str, count: int = 2,
+                 env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
+    """Starts ``count`` Python processes that each run ``setup`` (imports, mostly; ``sys.argv[1:]`` is
+    ``args``), waits until every one has, then releases them all at once to run ``statement``: a race
+    between them is then a matter of milliseconds, not of which finished importing first. Returns each
+    process's exit code and output."""
+    code = f"import sys\n{setup}\nprint('ready', flush=True)\nsys.stdin.readline()\n{statement}\n"
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS.parent), child_env.get("PYTHONPATH")]))
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args], env=child_env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(count)]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline() != "ready\n":
+                raise AssertionError(f"the setup failed: {p.communicate(timeout=60)[1]}")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
