@@ -40,8 +40,13 @@ def run_online() -> None:
     engine = engine_from_config({"sqlalchemy.url": url}, prefix="sqlalchemy.", poolclass=pool.NullPool)
     with engine.connect() as connection:
         lock_migrations(connection)
+        # A transaction per revision: in one for all, a long upgrade held the locks of its first
+        # revision (ACCESS EXCLUSIVE on `job`, say) until its last, and a failure undid every one.
         context.configure(
-            connection=connection, target_metadata=target_metadata, render_as_batch=url.startswith("sqlite")
+            connection=connection,
+            target_metadata=target_metadata,
+            render_as_batch=url.startswith("sqlite"),
+            transaction_per_migration=True,
         )
         with context.begin_transaction():
             context.run_migrations()

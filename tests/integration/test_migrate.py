@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
 
+from conductor.migrations.migrate import alembic_config, upgrade
 from conductor.settings import get_settings
 from tests.migrating import revisions, run_together
 
@@ -35,5 +37,31 @@ def test_two_migrations_of_one_empty_database_at_once_both_succeed(
     done = run_together("from conductor.cli import main", "sys.exit(main(['migrate']))", count=3, env=env)
     for result in done:
         assert result.returncode == 0 and "latest revision" in result.stdout, result.stderr
+    current, heads = revisions(fresh_url)
+    assert current == heads
+
+
+def test_each_migration_commits_on_its_own(fresh_url: str) -> None:
+    # in one transaction for all, a long upgrade held ACCESS EXCLUSIVE on `job` from its first migration
+    # to its last; seen here as a failing migration taking the ones before it down with it
+    upgrade(fresh_url, "0014_sealed_webhook_secret")
+    engine = sa.create_engine(fresh_url, poolclass=sa.NullPool)
+    try:
+        with engine.begin() as conn:  # 0016's column, already there: 0016 fails
+            conn.exec_driver_sql("ALTER TABLE job ADD COLUMN webhook_url_from_default boolean")
+        with pytest.raises(sa.exc.ProgrammingError, match="webhook_url_from_default"):
+            upgrade(fresh_url)
+        assert revisions(fresh_url)[0] == {"0015_previous_webhook_secret"}
+        with engine.connect() as conn:
+            assert "previous_webhook_secret" in {c["name"] for c in sa.inspect(conn).get_columns("tenant_settings")}
+    finally:
+        engine.dispose()
+
+
+def test_a_full_downgrade_and_upgrade_again(fresh_url: str) -> None:
+    upgrade(fresh_url)
+    command.downgrade(alembic_config(fresh_url), "base")
+    assert revisions(fresh_url)[0] == set()
+    upgrade(fresh_url)
     current, heads = revisions(fresh_url)
     assert current == heads

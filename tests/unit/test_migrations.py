@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from alembic import command
 from alembic.script import ScriptDirectory
 
 from conductor.embedded import database_url
@@ -53,4 +54,14 @@ def test_two_runs_migrating_one_old_data_dir_at_once_both_succeed(tmp_path: Path
     for result in done:
         assert result.returncode == 0, result.stderr
     current, heads = revisions(database_url(tmp_path))
+    assert current == heads
+
+
+def test_the_embedded_store_downgrades_to_base_and_upgrades_again(tmp_path: Path) -> None:
+    url = database_url(tmp_path)
+    upgrade(url)
+    command.downgrade(alembic_config(url), "base")
+    assert revisions(url)[0] == set()
+    upgrade(url)
+    current, heads = revisions(url)
     assert current == heads
