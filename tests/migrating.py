@@ -54,3 +54,22 @@ def run_together(setup: str, statement: str, *args: str, count: int = 2,
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def assert_schema_is_the_models(url: str) -> None:
+    """What ``alembic revision --autogenerate`` would write for a database at head: nothing, both as
+    compare_metadata sees it with env.py's filter and as ``alembic check`` runs env.py itself."""
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from sqlmodel import SQLModel
+
+    from conductor.migrations.migrate import include_object
+
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            opts = {"include_object": include_object}
+            assert compare_metadata(MigrationContext.configure(conn, opts=opts), SQLModel.metadata) == []
+    finally:
+        engine.dispose()
+    command.check(alembic_config(url))

@@ -9,7 +9,7 @@ from sqlalchemy import Connection, engine_from_config, pool, text
 from sqlmodel import SQLModel
 
 import conductor.store.models  # noqa: F401  (registers the tables on SQLModel.metadata)
-from conductor.migrations.migrate import LOCK_KEY
+from conductor.migrations.migrate import LOCK_KEY, include_object
 from conductor.settings import get_settings
 
 config = context.config
@@ -18,7 +18,7 @@ target_metadata = SQLModel.metadata
 
 
 def run_offline() -> None:
-    context.configure(url=url, target_metadata=target_metadata, literal_binds=True)
+    context.configure(url=url, target_metadata=target_metadata, include_object=include_object, literal_binds=True)
     with context.begin_transaction():
         context.run_migrations()
 
@@ -45,6 +45,7 @@ def run_online() -> None:
         context.configure(
             connection=connection,
             target_metadata=target_metadata,
+            include_object=include_object,
             render_as_batch=url.startswith("sqlite"),
             transaction_per_migration=True,
         )

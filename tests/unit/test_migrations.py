@@ -10,7 +10,7 @@ from alembic.script import ScriptDirectory
 
 from conductor.embedded import database_url
 from conductor.migrations.migrate import alembic_config, upgrade
-from tests.migrating import revisions, run_together
+from tests.migrating import assert_schema_is_the_models, revisions, run_together
 
 
 def test_one_head_and_every_revision_reachable_from_it() -> None:
@@ -65,3 +65,8 @@ def test_the_embedded_store_downgrades_to_base_and_upgrades_again(tmp_path: Path
     upgrade(url)
     current, heads = revisions(url)
     assert current == heads
+
+
+def test_the_migrated_embedded_store_is_the_models_for_autogenerate(tmp_path: Path) -> None:
+    upgrade(database_url(tmp_path))
+    assert_schema_is_the_models(database_url(tmp_path))
