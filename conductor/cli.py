@@ -339,12 +339,14 @@ def _planner_serve(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from conductor.migrations.migrate import upgrade
+    from conductor.migrations.migrate import NewerStoreError, upgrade
     from conductor.store.db import driver_reason
 
     url = get_settings().database_url
     try:
         upgrade(url)
+    except NewerStoreError as exc:
+        raise CliError(f"the database at {_safe_url(url)} {exc}") from exc
     except OperationalError as exc:
         if os.environ.get("CONDUCTOR_DEBUG"):
             raise

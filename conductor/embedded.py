@@ -520,13 +520,18 @@ def _migration_lock(directory: Path) -> Iterator[None]:
 def _migrate(settings: Settings, directory: Path) -> None:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from conductor.migrations.migrate import upgrade
+    from conductor.migrations.migrate import NewerStoreError, upgrade
+    from conductor.store.db import driver_reason
 
+    store = settings.database_url.removeprefix("sqlite:///")
     try:
         with _migration_lock(directory):
             upgrade(settings.database_url)
+    except NewerStoreError as exc:
+        raise EmbeddedError(f"the store {store} {exc}") from exc
     except SQLAlchemyError as exc:
-        raise EmbeddedError(f"cannot prepare the store {settings.database_url}: {exc.__class__.__name__}") from exc
+        why = type(exc).__name__ + (f" ({driver_reason(exc)})" if getattr(exc, "orig", None) is not None else "")
+        raise EmbeddedError(f"cannot prepare the store {store}: {why}") from exc
 
 
 def _job_body(task: str, *, planner: str | None) -> Any:

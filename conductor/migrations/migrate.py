@@ -7,6 +7,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
+from alembic.util.exc import CommandError
 
 HERE = Path(__file__).parent
 LOCK_KEY = 0x636F6E6475637471  # "conductq"
@@ -31,5 +32,47 @@ def alembic_config(database_url: str) -> Config:
     return cfg
 
 
+class NewerStoreError(Exception):
+    """The database is at a revision this package does not have: a newer conductor-queue migrated it.
+    The message reads after the store's name: "<store> was written by a newer release ..."."""
+
+
+def newer_store_error(database_url: str) -> NewerStoreError | None:
+    """A NewerStoreError naming the database's revisions that this package's migrations do not include,
+    or None when it has none."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import sqlalchemy as sa
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    engine = sa.create_engine(database_url, poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_heads()
+    finally:
+        engine.dispose()
+    script = ScriptDirectory.from_config(alembic_config(database_url))
+    unknown = [rev for rev in current if rev not in {s.revision for s in script.walk_revisions()}]
+    if not unknown:
+        return None
+    try:
+        release = f"conductor-queue {version('conductor-queue')}"
+    except PackageNotFoundError:
+        release = "this conductor-queue"
+    return NewerStoreError(
+        f"was written by a newer release of conductor-queue (its schema is at revision {', '.join(unknown)}; "
+        f"{release} knows revisions up to {', '.join(script.get_heads())}): upgrade conductor-queue to use it"
+    )
+
+
 def upgrade(database_url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(database_url), revision)
+    """Migrates the database to ``revision``; NewerStoreError when it is at a revision this package lacks
+    (Alembic's own error is "Can't locate revision identified by ...", as a traceback)."""
+    try:
+        command.upgrade(alembic_config(database_url), revision)
+    except CommandError as exc:
+        newer = newer_store_error(database_url)
+        if newer is not None:
+            raise newer from exc
+        raise

@@ -171,6 +171,40 @@ def test_unusable_data_dir_is_a_clear_message(tmp_path: Path) -> None:
     assert "--data-dir" in lines[0]
 
 
+def newer_store(data_dir: Path) -> Path:
+    """A store a newer release of conductor-queue migrated: at a revision this one does not have."""
+    from conductor.migrations.migrate import upgrade
+
+    db = data_dir / "conductor.sqlite3"
+    upgrade(f"sqlite:///{db}")
+    con = sqlite3.connect(db)
+    with con:
+        con.execute("UPDATE alembic_version SET version_num = '9999_from_the_future'")
+    con.close()
+    return db
+
+
+def test_a_store_from_a_newer_release_says_to_upgrade_the_package(tmp_path: Path) -> None:
+    # was a traceback: alembic.util.exc.CommandError: Can't locate revision identified by '9999_...'
+    db = newer_store(tmp_path)
+    for result in (
+        conductor("run", "x", "--pool", "sim", "--data-dir", str(tmp_path), cwd=tmp_path),
+        conductor("migrate", cwd=tmp_path, CONDUCTOR_DATABASE_URL=f"sqlite:///{db}"),
+    ):
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert f"{db} was written by a newer release of conductor-queue" in last, result.stderr
+        assert "9999_from_the_future" in last and "upgrade conductor-queue" in last
+
+
+def test_a_store_that_cannot_be_migrated_says_why(tmp_path: Path) -> None:
+    (tmp_path / "conductor.sqlite3").write_bytes(b"not sqlite at all" * 100)
+    result = conductor("run", "x", "--pool", "sim", "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "cannot prepare the store" in last and "file is not a database" in last  # was only "DatabaseError"
+
+
 def test_trace_of_a_missing_store_says_so(tmp_path: Path) -> None:
     result = conductor("trace", "abc", "--data-dir", str(tmp_path), cwd=tmp_path)
     assert result.returncode != 0
