@@ -84,11 +84,15 @@ def use_store(data_dir: Path, *, embedded_broker: bool = False) -> Settings:
 
 
 def open_store(data_dir: Path) -> Settings:
-    """For ``trace`` / ``status --data-dir``: the existing store there, or EmbeddedError."""
+    """For ``trace`` / ``status --data-dir``: the existing store there, or EmbeddedError. A store an older
+    release wrote is migrated first, as ``conductor run`` would (``conductor migrate`` has no data
+    directory: it migrates CONDUCTOR_DATABASE_URL); one at the head is only read."""
     path = data_dir.expanduser()
     if not (path / DB_FILE).is_file():
         raise EmbeddedError(f"no embedded store at {path / DB_FILE}; `conductor run` creates it")
-    return use_store(path.resolve())
+    settings = use_store(path.resolve())
+    _migrate(settings, path.resolve(), only_if_behind=True)
+    return settings
 
 
 def configure_celery(settings: Settings) -> Any:
@@ -517,18 +521,24 @@ def _migration_lock(directory: Path) -> Iterator[None]:
         yield
 
 
-def _migrate(settings: Settings, directory: Path) -> None:
+def _migrate(settings: Settings, directory: Path, *, only_if_behind: bool = False) -> None:
+    """Upgrades the store to this package's head, one process at a time; with ``only_if_behind``, first
+    checks (without the lock, nor a write) whether it has anything to do."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from conductor.migrations.migrate import NewerStoreError, upgrade
+    from conductor.migrations.migrate import NewerStoreError, is_behind, upgrade
     from conductor.store.db import driver_reason
 
     store = settings.database_url.removeprefix("sqlite:///")
     try:
+        if only_if_behind and not is_behind(settings.database_url):
+            return
         with _migration_lock(directory):
             upgrade(settings.database_url)
     except NewerStoreError as exc:
         raise EmbeddedError(f"the store {store} {exc}") from exc
+    except OSError as exc:  # the lock file
+        raise EmbeddedError(f"cannot prepare the store {store}: {exc.strerror or type(exc).__name__}") from exc
     except SQLAlchemyError as exc:
         why = type(exc).__name__ + (f" ({driver_reason(exc)})" if getattr(exc, "orig", None) is not None else "")
         raise EmbeddedError(f"cannot prepare the store {store}: {why}") from exc

@@ -37,11 +37,8 @@ class NewerStoreError(Exception):
     The message reads after the store's name: "<store> was written by a newer release ..."."""
 
 
-def newer_store_error(database_url: str) -> NewerStoreError | None:
-    """A NewerStoreError naming the database's revisions that this package's migrations do not include,
-    or None when it has none."""
-    from importlib.metadata import PackageNotFoundError, version
-
+def _revisions(database_url: str) -> tuple[set[str], set[str], set[str]]:
+    """The database's current revisions, this package's heads, and every revision this package has."""
     import sqlalchemy as sa
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
@@ -49,11 +46,27 @@ def newer_store_error(database_url: str) -> NewerStoreError | None:
     engine = sa.create_engine(database_url, poolclass=sa.NullPool)
     try:
         with engine.connect() as conn:
-            current = MigrationContext.configure(conn).get_current_heads()
+            current = set(MigrationContext.configure(conn).get_current_heads())
     finally:
         engine.dispose()
     script = ScriptDirectory.from_config(alembic_config(database_url))
-    unknown = [rev for rev in current if rev not in {s.revision for s in script.walk_revisions()}]
+    return current, set(script.get_heads()), {s.revision for s in script.walk_revisions()}
+
+
+def is_behind(database_url: str) -> bool:
+    """True when upgrade() has work to do: the database is at an older revision of this package's, or at
+    none (not when it is at the head, nor at a revision only a newer release has)."""
+    current, heads, known = _revisions(database_url)
+    return current != heads and current <= known
+
+
+def newer_store_error(database_url: str) -> NewerStoreError | None:
+    """A NewerStoreError naming the database's revisions that this package's migrations do not include,
+    or None when it has none."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    current, heads, known = _revisions(database_url)
+    unknown = sorted(current - known)
     if not unknown:
         return None
     try:
@@ -62,7 +75,7 @@ def newer_store_error(database_url: str) -> NewerStoreError | None:
         release = "this conductor-queue"
     return NewerStoreError(
         f"was written by a newer release of conductor-queue (its schema is at revision {', '.join(unknown)}; "
-        f"{release} knows revisions up to {', '.join(script.get_heads())}): upgrade conductor-queue to use it"
+        f"{release} knows revisions up to {', '.join(sorted(heads))}): upgrade conductor-queue to use it"
     )
 
 

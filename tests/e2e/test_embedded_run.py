@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic.script import ScriptDirectory
 
 from tests.conftest import require_llama_cpp
 
@@ -123,6 +124,25 @@ def test_the_printed_env_var_alternative_reads_the_store_too(sim_run: Any) -> No
     trace = conductor("trace", job_id, cwd=data_dir, CONDUCTOR_DATABASE_URL=url)
     assert trace.returncode == 0, trace.stderr
     assert "status=succeeded" in trace.stdout
+
+
+def test_trace_and_status_of_a_store_an_older_release_wrote_migrate_it_first(tmp_path: Path) -> None:
+    # said "lacks Conductor Queue's schema (no such column ...): run `conductor migrate`", which has no
+    # --data-dir and migrates CONDUCTOR_DATABASE_URL (the default Postgres) instead
+    from alembic import command
+
+    from conductor.migrations.migrate import alembic_config
+
+    assert conductor("run", "Say hi.", "--pool", "sim", "--data-dir", str(tmp_path), cwd=tmp_path).returncode == 0
+    job_id = only_job(tmp_path)["id"]
+    url = f"sqlite:///{tmp_path / 'conductor.sqlite3'}"
+    command.downgrade(alembic_config(url), "0011_tenant_in_flight")
+    trace = conductor("trace", job_id, "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert trace.returncode == 0 and "status=succeeded" in trace.stdout, trace.stderr
+    assert rows(tmp_path / "conductor.sqlite3", "SELECT version_num FROM alembic_version")[0][0] == (
+        ScriptDirectory.from_config(alembic_config(url)).get_current_head())
+    status = conductor("status", job_id, "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert status.returncode == 0 and json.loads(status.stdout)["status"] == "succeeded", status.stderr
 
 
 def test_parallel_steps_run_through_the_embedded_worker(tmp_path: Path) -> None:
