@@ -260,7 +260,7 @@ def finish_if_done(batch_id: str) -> bool:
         batch = store.get_batch(s, batch_id=batch_id)
         if batch is None or batch.status not in BatchStatus.OPEN:
             return False
-        if store.batch_counts(s, batch_id=batch_id).unfinished:
+        if store.has_unfinished_jobs(s, batch_id=batch_id):
             return False
         now = utcnow()
         final = _final_status(batch)

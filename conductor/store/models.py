@@ -93,6 +93,8 @@ class Job(SQLModel, table=True):
         # the index, so the count does not grow with a tenant's history.
         sa.Index("ix_job_tenant_in_flight", "tenant", postgresql_where=sa.text(IN_FLIGHT_SQL),
                  sqlite_where=sa.text(IN_FLIGHT_SQL)),
+        # A batch's counts (one per status) and whether it has a job still running (migration 0017)
+        sa.Index("ix_job_batch_status", "batch_id", "status"),
     )
 
     id: str = Field(default_factory=new_id, primary_key=True)
@@ -142,8 +144,8 @@ class Job(SQLModel, table=True):
     idempotency_key: str | None = Field(default=None, max_length=255)
     request_hash: str | None = Field(default=None, max_length=64)
     cancel_requested: bool = False
-    batch_id: str | None = Field(default=None, max_length=64, index=True)
-    """The batch this job is a line of (``POST /v1/batches``), if any."""
+    batch_id: str | None = Field(default=None, max_length=64)
+    """The batch this job is a line of (``POST /v1/batches``), if any (indexed by ``ix_job_batch_status``)."""
     eval_run: str | None = Field(default=None, max_length=64, index=True)
     """The ``conductor eval`` / ``export-rollouts`` run that submitted this job (details in metadata)."""
     reward: float | None = None

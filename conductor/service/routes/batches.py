@@ -37,8 +37,7 @@ def _ts(value: datetime | None) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
-def batch_object(session: Session, batch: Batch) -> BatchObject:
-    counts = store.batch_counts(session, batch_id=batch.id)
+def batch_object(batch: Batch, counts: store.Counts) -> BatchObject:
     return BatchObject(
         id=batch.id,
         endpoint=batch.endpoint,
@@ -71,11 +70,13 @@ def batch_or_404(session: Session, batch_id: str, tenant: str) -> Batch:
 
 
 def _current(session: Session, batch: Batch) -> BatchObject:
-    """The batch as it is now, ended first if its last job has ended."""
-    if batch.status in BatchStatus.OPEN and finish_if_done(batch.id):
+    """The batch as it is now, ended first if its last job has ended. Its lines are counted once: an
+    open batch's counts also say whether it can end (once every job has ended they cannot change)."""
+    counts = store.batch_counts(session, batch_id=batch.id)
+    if batch.status in BatchStatus.OPEN and not counts.unfinished and finish_if_done(batch.id):
         session.expire_all()
         batch = store.get_batch(session, batch_id=batch.id) or batch
-    return batch_object(session, batch)
+    return batch_object(batch, counts)
 
 
 @router.post("/v1/batches", responses=openai_errors(400, 401, 404, 422, 429, 503))
