@@ -81,6 +81,8 @@ class UiSession(SQLModel, table=True):
 IN_FLIGHT_SQL = "parent_job_id IS NULL AND status IN ('queued', 'planning', 'running')"
 """A top-level job that has not ended, as SQL with literal statuses: a partial index serves a query only
 when the planner can match its predicate, which a bound parameter would prevent."""
+TOP_LEVEL_SQL = "parent_job_id IS NULL"
+"""A job of its own, not a recursive step's child: what ``GET /v1/jobs`` lists."""
 
 
 class Job(SQLModel, table=True):
@@ -95,6 +97,11 @@ class Job(SQLModel, table=True):
                  sqlite_where=sa.text(IN_FLIGHT_SQL)),
         # A batch's counts (one per status) and whether it has a job still running (migration 0017)
         sa.Index("ix_job_batch_status", "batch_id", "status"),
+        # GET /v1/jobs?status=…: a status's own range, newest first, so a rare one does not walk the tenant
+        sa.Index("ix_job_tenant_status_created", "tenant", "status", "created_at", "id",
+                 postgresql_where=sa.text(TOP_LEVEL_SQL), sqlite_where=sa.text(TOP_LEVEL_SQL)),
+        # GET /v1/jobs?meta_key=…[&meta_value=…] on Postgres (`?`, `@>`); SQLite has no such index
+        sa.Index("ix_job_metadata", "metadata", postgresql_using="gin").ddl_if(dialect="postgresql"),
     )
 
     id: str = Field(default_factory=new_id, primary_key=True)

@@ -17,6 +17,11 @@ from conductor.store import jobs as store
 from conductor.store.db import session_scope
 from tests.integration.conftest import new_key
 from tests.integration.harness import sent_statements, wait_terminal
+from tests.list_cases import (
+    check_a_common_value_past_the_probe,
+    check_metadata_filter,
+    check_several_statuses_across_pages,
+)
 
 PROBLEM = "application/problem+json"
 
@@ -159,3 +164,17 @@ def test_a_page_of_jobs_and_a_status_poll_read_no_texts_they_do_not_show(lister:
         assert done.answer and steps[0].output  # still there when asked for
     listed = lister.get("/v1/jobs", params={"limit": 200}).json()["data"]
     assert [j["id"] for j in listed][:len(page)] == [j.id for j in page]
+
+
+def test_the_metadata_filter_finds_every_job_the_exact_comparison_matches() -> None:
+    """Postgres adds ``?`` / ``@>`` conditions (the GIN index's) to the text comparison: numbers, strings
+    spelling them, quotes in keys and values, JSON null, booleans and objects still match as text."""
+    check_metadata_filter(postgres=True)
+
+
+def test_a_page_is_completed_past_the_probe_of_the_newest_jobs() -> None:
+    check_a_common_value_past_the_probe()
+
+
+def test_several_statuses_are_listed_newest_first_across_pages() -> None:
+    check_several_statuses_across_pages()
