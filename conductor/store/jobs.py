@@ -24,6 +24,7 @@ from conductor.store.db import ONE_TRANSACTION
 from conductor.store.direct import Direct
 from conductor.store.models import (
     IN_FLIGHT_SQL,
+    QUEUED_SQL,
     Job,
     JobStatus,
     Step,
@@ -1223,16 +1224,18 @@ def orphaned_children(session: Session, *, limit: int = 100) -> list[str]:
 
 
 def jobs_never_enqueued(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:
+    """Queued jobs whose plan message was never sent (the outbox owes it): a range of ``ix_job_queued``."""
     stmt = select(Job.id).where(
-        Job.status == JobStatus.QUEUED, col(Job.enqueued_at).is_(None), Job.created_at < older_than
+        sa.text(QUEUED_SQL), col(Job.enqueued_at).is_(None), Job.created_at < older_than
     )
     return list(session.exec(stmt.limit(limit)))
 
 
 def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 500) -> list[Job]:
-    """Queued jobs whose plan message was sent a while ago but not yet picked up (lost, or waiting)."""
+    """Queued jobs whose plan message was sent a while ago but not yet picked up (lost, or waiting), oldest
+    first: read in ``ix_job_queued``'s order, not by sorting the whole queued backlog each pass."""
     stmt = select(Job).where(
-        Job.status == JobStatus.QUEUED, col(Job.enqueued_at).is_not(None), col(Job.enqueued_at) < older_than
+        sa.text(QUEUED_SQL), col(Job.enqueued_at).is_not(None), col(Job.enqueued_at) < older_than
     )
     return list(session.exec(stmt.order_by(col(Job.enqueued_at)).limit(limit)))
 

@@ -81,6 +81,8 @@ class UiSession(SQLModel, table=True):
 IN_FLIGHT_SQL = "parent_job_id IS NULL AND status IN ('queued', 'planning', 'running')"
 """A top-level job that has not ended, as SQL with literal statuses: a partial index serves a query only
 when the planner can match its predicate, which a bound parameter would prevent."""
+QUEUED_SQL = "status = 'queued'"
+"""A job waiting for its planner, as SQL with a literal status (a partial index's predicate, as above)."""
 TOP_LEVEL_SQL = "parent_job_id IS NULL"
 """A job of its own, not a recursive step's child: what ``GET /v1/jobs`` lists."""
 
@@ -102,6 +104,10 @@ class Job(SQLModel, table=True):
                  postgresql_where=sa.text(TOP_LEVEL_SQL), sqlite_where=sa.text(TOP_LEVEL_SQL)),
         # GET /v1/jobs?meta_key=…[&meta_value=…] on Postgres (`?`, `@>`); SQLite has no such index
         sa.Index("ix_job_metadata", "metadata", postgresql_using="gin").ddl_if(dialect="postgresql"),
+        # The reconciler's queued jobs never sent (enqueued_at NULL) and sent longest ago, without reading
+        # or sorting the whole queued backlog each pass
+        sa.Index("ix_job_queued", "enqueued_at", "created_at", postgresql_where=sa.text(QUEUED_SQL),
+                 sqlite_where=sa.text(QUEUED_SQL)),
     )
 
     id: str = Field(default_factory=new_id, primary_key=True)

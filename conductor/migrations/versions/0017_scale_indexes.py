@@ -1,6 +1,7 @@
 """indexes for the reads that walked a whole tenant, batch or backlog at scale (1.66M jobs, 5.6M steps):
 a batch's counts by job status (replacing the index on job.batch_id alone, a prefix of it); a tenant's
-top-level jobs of one status, newest first; job metadata (GIN, Postgres only: ``?`` and ``@>``)
+top-level jobs of one status, newest first; job metadata (GIN, Postgres only: ``?`` and ``@>``); the
+queued jobs the reconciler re-sends, by when their plan was sent (a partial index)
 
 On Postgres each index is built CONCURRENTLY, outside the migration's transaction (autocommit), so a
 live database keeps taking writes while it is built; an index left invalid by an interrupted build is
@@ -40,6 +41,7 @@ INDEXES = [
     Ix("ix_job_tenant_status_created", "job", ["tenant", "status", "created_at", "id"],
        where="parent_job_id IS NULL"),
     Ix("ix_job_metadata", "job", ["metadata"], options={"postgresql_using": "gin"}, postgres_only=True),
+    Ix("ix_job_queued", "job", ["enqueued_at", "created_at"], where="status = 'queued'"),
 ]
 REPLACED = [Ix("ix_job_batch_id", "job", ["batch_id"])]
 """Prefixes of the new indexes: every read they served is served as well by the longer one."""
