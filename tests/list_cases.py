@@ -1,13 +1,16 @@
-"""Lists checked the same way on Postgres (tests/integration/test_job_list.py) and on SQLite
-(tests/unit/test_lists_sqlite.py): ``list_jobs``'s metadata filter (Postgres adds conditions its GIN index
-answers, which must never drop a job the exact condition matches) and several statuses listed a range
-each and merged, across pages, with jobs created at the same instant."""
+"""Lists checked the same way on Postgres (tests/integration/test_job_list.py, test_batch_reads.py) and on
+SQLite (tests/unit/test_lists_sqlite.py): ``list_jobs``'s metadata filter (Postgres adds conditions its GIN
+index answers, which must never drop a job the exact condition matches) and several statuses listed a
+range each and merged, across pages, with jobs created at the same instant; batches and files paged by a
+cursor among rows created at the same instant."""
 
 from __future__ import annotations
 
 import uuid
 from datetime import timedelta
 from typing import Any
+
+from sqlmodel import select
 
 from conductor.store import jobs as store
 from conductor.store.db import session_scope
@@ -130,3 +133,42 @@ def check_several_statuses_across_pages() -> None:
         seen = _walk(tenant, store.JobFilter(statuses=wanted), 3)
         assert seen == expected, wanted
 
+
+def check_batch_and_file_pages_with_equal_created_at() -> None:
+    """Batches (newest first) and files (either way) page by (created_at, id): a cursor among rows
+    created at the same instant neither skips nor repeats one."""
+    from conductor.store import batches as batch_store
+    from conductor.store.models import Batch, StoredFile
+
+    tenant = f"pages-{uuid.uuid4().hex[:8]}"
+    now = utcnow()
+    instants = [now - timedelta(seconds=i // 3) for i in range(11)]  # threes created at the same instant
+    with session_scope() as s:
+        for at in instants:
+            s.add(Batch(id=f"batch_{uuid.uuid4().hex}", tenant=tenant, endpoint="/v1/jobs", input_file_id="f",
+                        completion_window="24h", created_at=at))
+            s.add(StoredFile(id=f"file-{uuid.uuid4().hex}", tenant=tenant, purpose="batch", filename="f",
+                             size_bytes=1, content=b"x", created_at=at))
+    with session_scope() as s:
+        batches = sorted(s.exec(select(Batch).where(Batch.tenant == tenant)), key=lambda b: (b.created_at, b.id),
+                         reverse=True)
+        files = sorted(s.exec(select(StoredFile).where(StoredFile.tenant == tenant)),
+                       key=lambda f: (f.created_at, f.id), reverse=True)
+        expected_batches, expected_files = [b.id for b in batches], [f.id for f in files]
+
+    def walk(page_of: Any) -> list[str]:
+        seen: list[str] = []
+        after: str | None = None
+        while True:
+            with session_scope() as s:
+                page = [row.id for row in page_of(s, after)]
+            seen += page
+            if len(page) < 2:
+                return seen
+            after = page[-1]
+
+    assert walk(lambda s, after: batch_store.list_batches(s, tenant=tenant, after=after, limit=2)) == expected_batches
+    for newest_first in (True, False):
+        listed = walk(lambda s, after: batch_store.list_files(s, tenant=tenant, purpose=None, after=after, limit=2,
+                                                              newest_first=newest_first))  # noqa: B023
+        assert listed == (expected_files if newest_first else expected_files[::-1])

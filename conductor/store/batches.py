@@ -60,15 +60,11 @@ def list_files(
         cursor = get_file(session, file_id=after, tenant=tenant)
         if cursor is None:
             return []
-        before = sa.or_(
-            col(StoredFile.created_at) < cursor.created_at,
-            sa.and_(col(StoredFile.created_at) == cursor.created_at, col(StoredFile.id) < cursor.id),
-        )
-        later = sa.or_(
-            col(StoredFile.created_at) > cursor.created_at,
-            sa.and_(col(StoredFile.created_at) == cursor.created_at, col(StoredFile.id) > cursor.id),
-        )
-        stmt = stmt.where(before if newest_first else later)
+        # a row comparison: an index scan of ix_stored_file_tenant_created_id starts at the cursor (the
+        # equivalent OR of two comparisons cannot start one)
+        position = sa.tuple_(col(StoredFile.created_at), col(StoredFile.id))
+        at = sa.tuple_(cursor.created_at, cursor.id)
+        stmt = stmt.where(position < at if newest_first else position > at)
     order = [col(StoredFile.created_at), col(StoredFile.id)]
     stmt = stmt.order_by(*(c.desc() for c in order)) if newest_first else stmt.order_by(*order)
     return list(session.exec(stmt.limit(limit)))
@@ -99,12 +95,8 @@ def list_batches(session: Session, *, tenant: str, after: str | None, limit: int
         cursor = get_batch(session, batch_id=after, tenant=tenant)
         if cursor is None:
             return []
-        stmt = stmt.where(
-            sa.or_(
-                col(Batch.created_at) < cursor.created_at,
-                sa.and_(col(Batch.created_at) == cursor.created_at, col(Batch.id) < cursor.id),
-            )
-        )
+        # a row comparison, as list_files: the scan of ix_batch_tenant_created_id starts at the cursor
+        stmt = stmt.where(sa.tuple_(col(Batch.created_at), col(Batch.id)) < sa.tuple_(cursor.created_at, cursor.id))
     return list(session.exec(stmt.order_by(col(Batch.created_at).desc(), col(Batch.id).desc()).limit(limit)))
 
 

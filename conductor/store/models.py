@@ -248,6 +248,7 @@ class StoredFile(SQLModel, table=True):
     """A file of the OpenAI-compatible Files API: a batch's input (validated JSONL) or its output/errors."""
 
     __tablename__ = "stored_file"
+    __table_args__ = (sa.Index("ix_stored_file_tenant_created_id", "tenant", "created_at", "id"),)  # listing
 
     id: str = Field(primary_key=True, max_length=64)
     tenant: str = Field(index=True, max_length=128)
@@ -273,7 +274,10 @@ class Batch(SQLModel, table=True):
     """One job per input line; when every job has ended its output and error files are written."""
 
     __tablename__ = "batch"
-    __table_args__ = (sa.Index("ix_batch_status", "status"),)
+    __table_args__ = (
+        sa.Index("ix_batch_status", "status"),
+        sa.Index("ix_batch_tenant_created_id", "tenant", "created_at", "id"),  # GET /v1/batches pages by these
+    )
 
     id: str = Field(primary_key=True, max_length=64)
     tenant: str = Field(index=True, max_length=128)

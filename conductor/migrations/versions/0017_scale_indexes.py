@@ -1,7 +1,8 @@
 """indexes for the reads that walked a whole tenant, batch or backlog at scale (1.66M jobs, 5.6M steps):
 a batch's counts by job status (replacing the index on job.batch_id alone, a prefix of it); a tenant's
 top-level jobs of one status, newest first; job metadata (GIN, Postgres only: ``?`` and ``@>``); the
-queued jobs the reconciler re-sends, by when their plan was sent (a partial index)
+queued jobs the reconciler re-sends, by when their plan was sent (a partial index); a tenant's batches and
+files, newest first
 
 On Postgres each index is built CONCURRENTLY, outside the migration's transaction (autocommit), so a
 live database keeps taking writes while it is built; an index left invalid by an interrupted build is
@@ -42,6 +43,8 @@ INDEXES = [
        where="parent_job_id IS NULL"),
     Ix("ix_job_metadata", "job", ["metadata"], options={"postgresql_using": "gin"}, postgres_only=True),
     Ix("ix_job_queued", "job", ["enqueued_at", "created_at"], where="status = 'queued'"),
+    Ix("ix_batch_tenant_created_id", "batch", ["tenant", "created_at", "id"]),
+    Ix("ix_stored_file_tenant_created_id", "stored_file", ["tenant", "created_at", "id"]),
 ]
 REPLACED = [Ix("ix_job_batch_id", "job", ["batch_id"])]
 """Prefixes of the new indexes: every read they served is served as well by the longer one."""

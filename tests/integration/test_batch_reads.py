@@ -1,7 +1,7 @@
 """A batch's request counts come from its jobs by status plus its refused lines (no join of every line to
 its job), once per read; right while lines have not started, as jobs end, and once the batch ends. The API
 runs in-process (``TestClient``) so the statements it sends can be seen; no worker runs, so the lines stay
-queued until this test ends them."""
+queued until this test ends them. Batches and files page by a (created_at, id) cursor."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from conductor.store import batches as store
 from conductor.store.db import get_engine, session_scope
 from tests.integration.conftest import new_key
 from tests.integration.harness import sent_statements
+from tests.list_cases import check_batch_and_file_pages_with_equal_created_at
 
 
 @pytest.fixture
@@ -100,3 +101,7 @@ def test_counts_are_right_before_lines_start_as_jobs_end_and_once_the_batch_ends
     batch, statements = read()  # ended: the same counts
     assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 3)
     assert len(_counting(statements)) == 1, statements
+
+
+def test_batches_and_files_page_across_equal_created_at() -> None:
+    check_batch_and_file_pages_with_equal_created_at()
