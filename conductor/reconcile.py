@@ -47,8 +47,14 @@ from conductor.store.models import JobStatus, StepStatus, utcnow
 log = logging.getLogger(__name__)
 
 ENQUEUE_GRACE_S = 2.0
-WEBHOOK_BACKFILL_S = 24 * 3600.0
-"""How far back the reconciler looks for ended jobs whose webhook delivery was never written."""
+WEBHOOK_BACKFILL_S = 600.0
+"""How far back a pass looks for ended jobs whose webhook delivery was never written: 40 passes' worth at
+the default 15 s interval, and further when passes were missed (``backfill_since``). The look is a range of
+``ix_job_status_updated`` plus an anti-join, so it costs what this window holds, not a day of jobs."""
+WEBHOOK_BACKFILL_MAX_S = 24 * 3600.0
+"""How far back the first pass of a process looks, and the most any pass does."""
+_backfilled_at: datetime | None = None
+"""When the last pass of this process that wrote every delivery it found owed had started."""
 MAX_BACKOFF_DOUBLINGS = 6
 
 
@@ -101,7 +107,9 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
         resend.append((step.job_id, step.index))
         dispatch.agents[(step.job_id, step.index)] = step.agent
     with session_scope() as s:
-        webhooks = _webhooks_due(s, now=now, stale_s=stale_s)
+        webhooks, backfilled = _webhooks_due(s, now=now, stale_s=stale_s)
+    if backfilled:  # committed: later passes look back from this one
+        _note_backfilled(now)
     dispatch.plan += [*never, *lost, *stuck]
     dispatch.webhooks += webhooks
     dispatch.steps += resend
@@ -144,20 +152,45 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
     return report, dispatch
 
 
-def _webhooks_due(s: Session, *, now: datetime, stale_s: float) -> list[str]:
+def _webhooks_due(s: Session, *, now: datetime, stale_s: float) -> tuple[list[str], bool]:
     """Webhook deliveries to send: ended jobs' deliveries never written (backfilled here), attempts due
     with no message sent (a lost send, or a backoff too long for a broker countdown), and messages sent
-    but never consumed (re-sent with the same exponential backoff as steps)."""
-    for job_id in webhook_store.ended_jobs_without_delivery(s, since=now - timedelta(seconds=WEBHOOK_BACKFILL_S)):
+    but never consumed (re-sent with the same exponential backoff as steps). Also whether every owed
+    delivery found was written (fewer than a pass's limit were owed)."""
+    owed = webhook_store.ended_jobs_without_delivery(s, since=backfill_since(now), limit=BACKFILL_LIMIT)
+    for job_id in owed:
         webhook_store.backfill_job_end(s, job_id=job_id)
-    owed = []
+    due_now = []
     for delivery in webhook_store.deliveries_due(s, now=now, grace_s=ENQUEUE_GRACE_S):
         if delivery.sent_at is None:
-            owed.append(delivery.id)
+            due_now.append(delivery.id)
         elif due(delivery.sent_at, delivery.resends, stale_s, now):
-            owed.append(delivery.id)
+            due_now.append(delivery.id)
             webhook_store.note_resend(s, delivery_id=delivery.id, resends=delivery.resends + 1, sent_at=now)
-    return owed
+    return due_now, len(owed) < BACKFILL_LIMIT
+
+
+BACKFILL_LIMIT = 100
+"""Ended jobs given their missing delivery row in one pass; more wait for the next, which looks back as far."""
+
+
+def backfill_since(now: datetime) -> datetime:
+    """Where a pass starts looking for ended jobs without a delivery row: ``WEBHOOK_BACKFILL_S`` before the
+    start of this process's last pass that wrote every one it found (at most a day back; a day at the
+    process's first pass). So whatever kept passes from running (beat stopped, no ``maintenance``
+    consumer) or from finishing their look (more owed than ``BACKFILL_LIMIT``) is looked through by the
+    next pass, and the overlap takes in an end committed up to ten minutes after the time it recorded (a
+    long transaction, another host's clock)."""
+    oldest = now - timedelta(seconds=WEBHOOK_BACKFILL_MAX_S)
+    if _backfilled_at is None:
+        return oldest
+    return max(oldest, min(_backfilled_at, now) - timedelta(seconds=WEBHOOK_BACKFILL_S))
+
+
+def _note_backfilled(at: datetime) -> None:
+    global _backfilled_at
+    if _backfilled_at is None or at > _backfilled_at:  # (a slower pass that started earlier ends later)
+        _backfilled_at = at
 
 
 def resend_due(step: store.OpenStep, *, now: datetime, stale_s: float) -> bool:

@@ -1,7 +1,7 @@
 """A reconciler pass on a migrated SQLite file: trace-viewer sessions past their expiry are deleted, so
 keys that never sign in again leave no rows behind (signing in again drops a key's own expired ones; the
-same delete runs on Postgres in tests/integration/test_trace_viewer.py), and one job's fault does not cost
-the pass its other work."""
+same delete runs on Postgres in tests/integration/test_trace_viewer.py), one job's fault does not cost
+the pass its other work, and the window in which ended jobs get a missing webhook delivery row."""
 
 from __future__ import annotations
 
@@ -113,3 +113,74 @@ def test_the_pass_sends_what_it_gathered_before_its_batch_work(settings: Setting
 
     report, dispatch = reconcile_once(settings, send=send)
     assert order == ["send", "batches"] and sent == [dispatch] and "batches_ended" in report
+
+
+def _ended_without_delivery(ago: timedelta) -> str:
+    from conductor.store.models import Job
+
+    at = utcnow() - ago
+    with session_scope() as s:
+        job = Job(tenant="tenant-hooks", task="t", pool="default", planner="template", status="succeeded",
+                  webhook_url="https://hooks.example/x", created_at=at, updated_at=at, finished_at=at)
+        s.add(job)
+    return job.id
+
+
+def _has_delivery(job_id: str) -> bool:
+    from conductor.store.models import WebhookDelivery
+
+    with session_scope() as s:
+        return s.exec(select(WebhookDelivery).where(WebhookDelivery.job_id == job_id)).first() is not None
+
+
+def test_the_webhook_backfill_looks_back_ten_minutes_past_its_last_complete_look(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ended job whose delivery row was never written gets one. A process's first pass looks back a day;
+    later ones ten minutes before the last pass that wrote all it found, so a gap between passes is still
+    looked through, and a pass that found more than its limit does not move that mark."""
+    from conductor import reconcile
+
+    monkeypatch.setattr(reconcile, "_backfilled_at", None)
+    hours_ago = _ended_without_delivery(timedelta(hours=3))
+    days_ago = _ended_without_delivery(timedelta(hours=30))
+    reconcile_once(settings)
+    assert _has_delivery(hours_ago) and not _has_delivery(days_ago)
+
+    # Right after a complete pass: ten minutes back (an end recorded 20 minutes ago and committed only now
+    # is past the overlap; one 5 minutes ago is within it)
+    late, recent = _ended_without_delivery(timedelta(minutes=20)), _ended_without_delivery(timedelta(minutes=5))
+    reconcile_once(settings)
+    assert _has_delivery(recent) and not _has_delivery(late)
+
+    # No pass for two hours: the next one looks back to ten minutes before the last complete one
+    monkeypatch.setattr(reconcile, "_backfilled_at", utcnow() - timedelta(hours=2))
+    during_gap = _ended_without_delivery(timedelta(hours=1))
+    reconcile_once(settings)
+    assert _has_delivery(during_gap)
+
+    # More owed than a pass writes: the mark stays, so the next pass looks as far back again
+    monkeypatch.setattr(reconcile, "BACKFILL_LIMIT", 2)
+    monkeypatch.setattr(reconcile, "_backfilled_at", utcnow() - timedelta(hours=2))
+    many = [_ended_without_delivery(timedelta(minutes=90 + i)) for i in range(5)]
+    mark = reconcile._backfilled_at
+    reconcile_once(settings)
+    assert sum(map(_has_delivery, many)) == 2 and reconcile._backfilled_at == mark
+    reconcile_once(settings)
+    reconcile_once(settings)
+    assert all(map(_has_delivery, many)) and reconcile._backfilled_at != mark
+
+
+def test_backfill_since_is_ten_minutes_before_the_last_complete_look_and_at_most_a_day() -> None:
+    from conductor import reconcile
+
+    now = utcnow()
+    ten = timedelta(seconds=reconcile.WEBHOOK_BACKFILL_S)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reconcile, "_backfilled_at", None)
+        assert reconcile.backfill_since(now) == now - timedelta(hours=24)
+        mp.setattr(reconcile, "_backfilled_at", now - timedelta(seconds=15))
+        assert reconcile.backfill_since(now) == now - timedelta(seconds=15) - ten
+        mp.setattr(reconcile, "_backfilled_at", now - timedelta(days=3))
+        assert reconcile.backfill_since(now) == now - timedelta(hours=24)
+        mp.setattr(reconcile, "_backfilled_at", now + timedelta(minutes=1))  # a clock stepped back
+        assert reconcile.backfill_since(now) == now - ten
