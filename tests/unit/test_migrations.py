@@ -70,3 +70,38 @@ def test_the_embedded_store_downgrades_to_base_and_upgrades_again(tmp_path: Path
 def test_the_migrated_embedded_store_is_the_models_for_autogenerate(tmp_path: Path) -> None:
     upgrade(database_url(tmp_path))
     assert_schema_is_the_models(database_url(tmp_path))
+
+
+def test_sqlite_upgrade_from_0016_guesses_the_default_url_flag_and_builds_the_indexes(tmp_path: Path) -> None:
+    """Embedded mode runs the same migrations: 0017's indexes (but the GIN one, Postgres only) and 0018's
+    guess (tests/integration/test_migration_0017_0018.py does both on Postgres)."""
+    import sqlalchemy as sa
+
+    from conductor.migrations.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'store.sqlite3'}"
+    upgrade(url, "0016_webhook_url_from_default")
+    engine = sa.create_engine(url)
+    insert = sa.text(
+        "INSERT INTO job (id, tenant, status, task, pool, pool_config, planner, depth, limits, metadata, "
+        "cancel_requested, planner_attempts, planner_input_tokens, planner_output_tokens, planner_cost_usd, "
+        "planner_calls, input_tokens, output_tokens, cost_usd, calls, plan_claims, plan_resends, replay_replan, "
+        "webhook_url, webhook_url_from_default, created_at, updated_at) VALUES (:id, :tenant, 'succeeded', 't', "
+        "'sim', '{}', 'x', 0, '{}', '{}', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, :url, :marked, :at, :at)")
+    default = "https://a.example/default"
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO tenant_settings (tenant, webhook_url, updated_at) VALUES "
+                             "('alpha', :u, '2026-11-01 00:00:00')"), {"u": default})
+        for job_id, url_, marked, at in [("old-default", default, None, "2026-11-01 00:00:00"),
+                                         ("old-own", "https://a.example/own", None, "2026-11-01 00:00:00"),
+                                         ("new-marked", default, True, "2026-11-20 00:00:00"),
+                                         ("new-named", default, None, "2026-11-21 00:00:00")]:
+            conn.execute(insert, {"id": job_id, "tenant": "alpha", "url": url_, "marked": marked, "at": at})
+    upgrade(url)
+    with engine.connect() as conn:
+        flags = dict(conn.execute(sa.text("SELECT id, webhook_url_from_default FROM job")).all())
+        indexes = {row[1] for row in conn.execute(sa.text("PRAGMA index_list('job')")).all()}
+    engine.dispose()
+    assert flags == {"old-default": 1, "old-own": None, "new-marked": 1, "new-named": None}
+    assert {"ix_job_batch_status", "ix_job_tenant_status_created", "ix_job_queued"} <= indexes
+    assert "ix_job_metadata" not in indexes and "ix_job_batch_id" not in indexes
