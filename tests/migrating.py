@@ -63,12 +63,12 @@ def assert_schema_is_the_models(url: str) -> None:
     from alembic.autogenerate import compare_metadata
     from sqlmodel import SQLModel
 
-    from conductor.migrations.migrate import include_object
+    from conductor.migrations.migrate import objects_for
 
     engine = sa.create_engine(url, poolclass=sa.NullPool)
     try:
         with engine.connect() as conn:
-            opts = {"include_object": include_object}
+            opts = {"include_object": objects_for(conn.dialect.name)}
             assert compare_metadata(MigrationContext.configure(conn, opts=opts), SQLModel.metadata) == []
     finally:
         engine.dispose()

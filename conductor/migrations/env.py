@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from alembic import context
-from sqlalchemy import Connection, engine_from_config, pool, text
+from sqlalchemy import Connection, engine_from_config, make_url, pool, text
 from sqlmodel import SQLModel
 
 import conductor.store.models  # noqa: F401  (registers the tables on SQLModel.metadata)
-from conductor.migrations.migrate import LOCK_KEY, include_object
+from conductor.migrations.migrate import LOCK_KEY, objects_for
 from conductor.settings import get_settings
 
 config = context.config
+LOCK_POLL_S = 0.5
 url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
 target_metadata = SQLModel.metadata
 
 
 def run_offline() -> None:
-    context.configure(url=url, target_metadata=target_metadata, include_object=include_object, literal_binds=True)
+    dialect = make_url(url).get_dialect().name
+    context.configure(url=url, target_metadata=target_metadata, include_object=objects_for(dialect), literal_binds=True)
     with context.begin_transaction():
         context.run_migrations()
 
@@ -27,13 +30,24 @@ def lock_migrations(connection: Connection) -> None:
     """On Postgres, waits for any other migration of this database, then holds the session-level advisory
     lock LOCK_KEY until the connection closes (NullPool: when this run ends, even by an error). Committed
     before Alembic starts, so Alembic's own transactions run inside the lock. The embedded SQLite store
-    is locked by conductor.embedded instead (a file lock in its data directory)."""
+    is locked by conductor.embedded instead (a file lock in its data directory).
+
+    The wait is a try every LOCK_POLL_S with no transaction open between tries, not a blocking
+    ``pg_advisory_lock``: a transaction waiting on the lock is one that the other run's ``CREATE INDEX
+    CONCURRENTLY`` (0017) must wait out, which Postgres ends as a deadlock."""
     if connection.dialect.name != "postgresql":
         return
-    if not connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": LOCK_KEY}).scalar():
-        print("conductor: another migration of this database is running; waiting for it to finish", file=sys.stderr)
-        connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": LOCK_KEY})
-    connection.commit()
+    waiting = False
+    while True:
+        held = connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": LOCK_KEY}).scalar()
+        connection.commit()
+        if held:
+            return
+        if not waiting:
+            print("conductor: another migration of this database is running; waiting for it to finish",
+                  file=sys.stderr)
+            waiting = True
+        time.sleep(LOCK_POLL_S)
 
 
 def run_online() -> None:
@@ -45,7 +59,7 @@ def run_online() -> None:
         context.configure(
             connection=connection,
             target_metadata=target_metadata,
-            include_object=include_object,
+            include_object=objects_for(connection.dialect.name),
             render_as_batch=url.startswith("sqlite"),
             transaction_per_migration=True,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,18 @@ UNMAPPED_TABLES = frozenset({"tenant_in_flight"})
 Postgres): ``alembic revision --autogenerate`` must not propose dropping them."""
 
 
-def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
-    """env.py's autogenerate filter: everything but UNMAPPED_TABLES."""
-    return not (type_ == "table" and name in UNMAPPED_TABLES)
+def objects_for(dialect: str) -> Callable[[Any, str | None, str, bool, Any], bool]:
+    """env.py's autogenerate filter for a database of ``dialect``: everything but UNMAPPED_TABLES and the
+    models' indexes built only on another dialect (``Index(...).ddl_if(dialect="postgresql")``, such as
+    the GIN index on job metadata, which the embedded SQLite store never has)."""
+
+    def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+        if type_ == "table" and name in UNMAPPED_TABLES:
+            return False
+        only = getattr(getattr(obj, "_ddl_if", None), "dialect", None) if type_ == "index" else None
+        return only is None or only == dialect
+
+    return include_object
 
 
 def alembic_config(database_url: str) -> Config:
