@@ -85,6 +85,9 @@ QUEUED_SQL = "status = 'queued'"
 """A job waiting for its planner, as SQL with a literal status (a partial index's predicate, as above)."""
 TOP_LEVEL_SQL = "parent_job_id IS NULL"
 """A job of its own, not a recursive step's child: what ``GET /v1/jobs`` lists."""
+NOT_ROLLED_UP_SQL = "metrics_rolled_up_at IS NULL"
+"""A job or webhook delivery whose numbers are not yet in ``metrics_rollup`` (``conductor.store.metrics``):
+what a scrape still aggregates row by row, found by a partial index of that predicate."""
 
 
 class Job(SQLModel, table=True):
@@ -108,6 +111,10 @@ class Job(SQLModel, table=True):
         # or sorting the whole queued backlog each pass
         sa.Index("ix_job_queued", "enqueued_at", "created_at", postgresql_where=sa.text(QUEUED_SQL),
                  sqlite_where=sa.text(QUEUED_SQL)),
+        # A scrape aggregates only the jobs not yet rolled up (unfinished, or ended recently), and the rollup
+        # takes the oldest ended ones first: neither reads the rest of the history.
+        sa.Index("ix_job_metrics_unrolled", "finished_at", postgresql_where=sa.text(NOT_ROLLED_UP_SQL),
+                 sqlite_where=sa.text(NOT_ROLLED_UP_SQL)),
     )
 
     id: str = Field(default_factory=new_id, primary_key=True)
@@ -179,6 +186,9 @@ class Job(SQLModel, table=True):
     started_at: datetime | None = _ts()
     planned_at: datetime | None = _ts()
     finished_at: datetime | None = _ts()
+    metrics_rolled_up_at: datetime | None = _ts()
+    """When this job's numbers (and its steps' and attempts') were added to ``metrics_rollup``: set once,
+    in the same transaction, long enough after the job ended that nothing writes to those rows any more."""
 
 
 class Step(SQLModel, table=True):
@@ -361,7 +371,11 @@ class WebhookDelivery(SQLModel, table=True):
     every retry repeats."""
 
     __tablename__ = "webhook_delivery"
-    __table_args__ = (sa.Index("ix_webhook_delivery_status_next", "status", "next_attempt_at"),)
+    __table_args__ = (
+        sa.Index("ix_webhook_delivery_status_next", "status", "next_attempt_at"),
+        sa.Index("ix_webhook_delivery_metrics_unrolled", "finished_at", postgresql_where=sa.text(NOT_ROLLED_UP_SQL),
+                 sqlite_where=sa.text(NOT_ROLLED_UP_SQL)),
+    )
 
     id: str = Field(primary_key=True, max_length=40)
     job_id: str = Field(foreign_key="job.id", unique=True, max_length=32)
@@ -381,6 +395,42 @@ class WebhookDelivery(SQLModel, table=True):
     resends: int = 0
     created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
     finished_at: datetime | None = _ts()
+    metrics_rolled_up_at: datetime | None = _ts()
+    """When this delivery and its attempts were added to ``metrics_rollup`` (as for ``Job``)."""
+
+
+LATENCY_BUCKETS_S: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Step latency histogram buckets, in seconds (provider calls run from tens of milliseconds to minutes). The
+rollup keeps one count per bucket (``metrics_rollup.le_…``): changing them needs a migration."""
+
+
+def latency_bucket_column(bound_s: float) -> str:
+    """``metrics_rollup``'s column counting latencies <= ``bound_s``: ``le_50ms`` … ``le_600000ms``."""
+    return f"le_{round(bound_s * 1000)}ms"
+
+
+METRICS_ROLLUP = sa.Table(
+    "metrics_rollup",
+    SQLModel.metadata,
+    # One row per (tenant, series, labels): the sums of every job, step, attempt, delivery and webhook
+    # attempt already folded in (conductor.store.metrics). A scrape adds the rows not yet folded.
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    # 'job' (label_a status, label_b planner), 'step' (agent, status), 'attempt' (agent, outcome), 'webhook'
+    # (status, '') or 'webhook_attempt' (outcome, '').
+    sa.Column("series", sa.String(16), primary_key=True),
+    sa.Column("label_a", sa.String(128), primary_key=True),
+    sa.Column("label_b", sa.String(128), primary_key=True),
+    sa.Column("n", sa.BigInteger(), nullable=False),
+    sa.Column("input_tokens", sa.BigInteger(), nullable=False),
+    sa.Column("output_tokens", sa.BigInteger(), nullable=False),
+    sa.Column("cost_usd", sa.Float(), nullable=False),
+    sa.Column("retries", sa.BigInteger(), nullable=False),
+    sa.Column("resends", sa.BigInteger(), nullable=False),
+    sa.Column("redrives", sa.BigInteger(), nullable=False),
+    sa.Column("latency_count", sa.BigInteger(), nullable=False),
+    sa.Column("latency_ms", sa.BigInteger(), nullable=False),
+    *(sa.Column(latency_bucket_column(b), sa.BigInteger(), nullable=False) for b in LATENCY_BUCKETS_S),
+)
 
 
 class WebhookAttempt(SQLModel, table=True):

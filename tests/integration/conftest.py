@@ -36,7 +36,8 @@ def clean_state() -> None:
     get_settings.cache_clear()
     settings = get_settings()
     with get_engine(settings.database_url).begin() as conn:
-        conn.execute(sa.text("TRUNCATE batch_request, batch, stored_file, step_attempt, step, job, api_key "
+        conn.execute(sa.text("TRUNCATE batch_request, batch, stored_file, step_attempt, step, job, api_key, "
+                             "metrics_rollup "
                              "RESTART IDENTITY CASCADE"))
     redis.Redis.from_url(settings.broker_url).flushdb()
 
