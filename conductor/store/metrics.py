@@ -1,27 +1,60 @@
-"""Aggregates for ``/metrics``, read from the store at scrape time.
+"""Aggregates for ``/metrics``: the rollup's sums plus a ``GROUP BY`` over the rows not rolled up yet.
 
-Every number a scrape shows is a ``GROUP BY`` over the rows, so it is the same whichever API process
-answers and whichever worker did the work, and it survives restarts. Usage of a recursive step (agent
-``conductor``) is its child job's total, so it is left out here: the child job's own planner and steps
-are counted where they happened.
+Every number is read from the store, so it is the same whichever API process answers and whichever worker
+did the work, and it survives restarts. Aggregating every row ever written at each scrape grows with the
+history (17.8 s at 1.66M jobs and 6M attempts), so ended work is folded once into ``metrics_rollup``:
+
+- a job, with its steps and their attempts, once it ended ``settle`` ago and none of its provider calls is
+  still open (``roll_up_jobs``): a cancelled or failed job's call in flight still closes its attempt and adds
+  its usage when it returns, and a superseded planning its planner's usage, so a job with an open attempt
+  or a planning that may still run waits ``abandoned`` (the longest a live worker may still write) instead;
+- a webhook delivery, with its attempts, once it ended (``roll_up_deliveries``): deliveries go on after
+  their job ended, so they are folded by their own state.
+
+Each fold takes a bounded batch (``FOR NO KEY UPDATE SKIP LOCKED`` on Postgres, so concurrent passes take
+different rows), adds its sums to the rollup and marks the rows (``metrics_rolled_up_at``) in one
+transaction: a worker dying midway folds nothing, and no row is counted twice. A scrape reads, per
+series, one statement: the rollup's rows UNION ALL the ``GROUP BY`` over the rows not rolled up (found by
+the partial indexes ``ix_job_metrics_unrolled`` and ``ix_webhook_delivery_metrics_unrolled``), so a fold
+committing meanwhile is counted once, in one or the other. Nothing deletes jobs; a retention that did
+would leave their sums in the rollup (counters must not go down).
+
+Usage of a recursive step (agent ``conductor``) is its child job's total, so it is left out here: the child
+job's own planner and steps are counted where they happened.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col
 
-from conductor.store.models import Job, Step, StepAttempt, WebhookAttempt, WebhookDelivery
+from conductor.store.models import (
+    LATENCY_BUCKETS_S,
+    METRICS_ROLLUP,
+    DeliveryStatus,
+    Job,
+    JobStatus,
+    Step,
+    StepAttempt,
+    WebhookAttempt,
+    WebhookDelivery,
+    latency_bucket_column,
+    utcnow,
+)
 
 CONDUCTOR_AGENT = "conductor"  # the reserved agent (conductor.workflow's constant; the store imports no domain)
 ATTEMPT_OK = "ok"
+ENDED_DELIVERIES = (DeliveryStatus.DELIVERED, DeliveryStatus.FAILED, DeliveryStatus.DISABLED)
 
-# Step latency buckets, in seconds: provider calls run from tens of milliseconds to minutes.
-LATENCY_BUCKETS_S: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+__all__ = ["LATENCY_BUCKETS_S", "LatencyHistogram", "StoreAggregates", "read_aggregates", "roll_up_deliveries",
+           "roll_up_jobs"]
 
 
 @dataclass(frozen=True)
@@ -54,33 +87,111 @@ class StoreAggregates:
     """(tenant, outcome '2xx' | '3xx' | '4xx' | '5xx' | 'error', finished delivery attempts)."""
 
 
+@dataclass(frozen=True)
+class _Series:
+    """One scan's rows in ``metrics_rollup``: ``labels`` label columns after the tenant (``label_a``, then
+    ``label_b``), then ``values``, the rollup columns in the order the scan aggregates them."""
+
+    name: str
+    labels: int
+    values: tuple[str, ...]
+
+
+LATENCY_COLUMNS = tuple(latency_bucket_column(b) for b in LATENCY_BUCKETS_S)
+JOBS = _Series("job", 2, ("n", "input_tokens", "output_tokens", "cost_usd", "resends", "redrives"))
+"""(tenant, status, planner): jobs, planner usage, plan re-sends, plannings re-driven."""
+STEPS = _Series("step", 2, ("n", "input_tokens", "output_tokens", "cost_usd", "retries", "resends", "latency_count",
+                            "latency_ms", *LATENCY_COLUMNS))
+"""(tenant, agent, status): steps, usage, retries, re-sends, timed steps, their latency sum and buckets."""
+ATTEMPTS = _Series("attempt", 2, ("n",))
+"""(tenant, agent, outcome): finished attempts."""
+WEBHOOKS = _Series("webhook", 1, ("n",))
+"""(tenant, status): deliveries."""
+WEBHOOK_ATTEMPTS = _Series("webhook_attempt", 1, ("n",))
+"""(tenant, outcome): finished sends."""
+ROLLUP_VALUES = ("n", "input_tokens", "output_tokens", "cost_usd", "retries", "resends", "redrives", "latency_count",
+                 "latency_ms", *LATENCY_COLUMNS)
+
+
+# --- the scrape ----------------------------------------------------------------------------------
+
+
 def read_aggregates(session: Session, *, tenant: str | None = None) -> StoreAggregates:
-    """Everything ``/metrics`` reports from Postgres, in three scans (jobs, steps, attempts); with
-    ``tenant``, only that tenant's rows."""
-    agg = StoreAggregates(attempts=[tuple(r) for r in session.execute(_attempt_outcomes(tenant))])
-    _add_jobs(agg, session.execute(_job_scan(tenant)))
-    _add_steps(agg, session.execute(_step_scan(tenant)))
-    agg.webhooks = [(t, st, int(n)) for t, st, n in session.execute(_webhook_deliveries(tenant))]
-    agg.webhook_attempts = [(t, o, int(n)) for t, o, n in session.execute(_webhook_attempts(tenant))]
+    """Everything ``/metrics`` reports from the store, in five statements (jobs, steps, attempts, webhook
+    deliveries, their attempts), each the rollup's rows and the rows not rolled up; with ``tenant``, only
+    that tenant's."""
+    unrolled_jobs = _for_tenant(col(Job.metrics_rolled_up_at).is_(None), col(Job.tenant), tenant)
+    unrolled_deliveries = _for_tenant(col(WebhookDelivery.metrics_rolled_up_at).is_(None),
+                                      col(WebhookDelivery.tenant), tenant)
+    agg = StoreAggregates(attempts=_read(session, ATTEMPTS, _attempt_scan(unrolled_jobs), tenant))
+    _add_jobs(agg, _read(session, JOBS, _job_scan(unrolled_jobs), tenant))
+    _add_steps(agg, _read(session, STEPS, _step_scan(unrolled_jobs), tenant))
+    agg.webhooks = _read(session, WEBHOOKS, _webhook_deliveries(unrolled_deliveries), tenant)
+    agg.webhook_attempts = _read(session, WEBHOOK_ATTEMPTS, _webhook_attempts(unrolled_deliveries), tenant)
     return agg
 
 
-def _for_tenant(stmt: Any, tenant: str | None) -> Any:
-    return stmt if tenant is None else stmt.where(col(Job.tenant) == tenant)
+def live_statements(tenant: str | None = None) -> dict[str, Any]:
+    """The scrape's statements by series (what ``read_aggregates`` runs): for ``EXPLAIN``."""
+    jobs = _for_tenant(col(Job.metrics_rolled_up_at).is_(None), col(Job.tenant), tenant)
+    deliveries = _for_tenant(col(WebhookDelivery.metrics_rolled_up_at).is_(None), col(WebhookDelivery.tenant), tenant)
+    return {
+        JOBS.name: _with_rollup(JOBS, _job_scan(jobs), tenant),
+        STEPS.name: _with_rollup(STEPS, _step_scan(jobs), tenant),
+        ATTEMPTS.name: _with_rollup(ATTEMPTS, _attempt_scan(jobs), tenant),
+        WEBHOOKS.name: _with_rollup(WEBHOOKS, _webhook_deliveries(deliveries), tenant),
+        WEBHOOK_ATTEMPTS.name: _with_rollup(WEBHOOK_ATTEMPTS, _webhook_attempts(deliveries), tenant),
+    }
+
+
+def _for_tenant(condition: Any, tenant_column: Any, tenant: str | None) -> Any:
+    return condition if tenant is None else sa.and_(condition, tenant_column == tenant)
+
+
+def _with_rollup(series: _Series, live: Any, tenant: str | None) -> Any:
+    """``live`` UNION ALL the rollup's rows of ``series``, in ``live``'s shape: one statement, one snapshot."""
+    r = METRICS_ROLLUP.c
+    labels = [r.label_a, r.label_b][: series.labels]
+    rolled = sa.select(r.tenant, *labels, *(r[v] for v in series.values)).where(r.series == series.name)
+    if tenant is not None:
+        rolled = rolled.where(r.tenant == tenant)
+    return sa.union_all(live, rolled)
+
+
+def _read(session: Session, series: _Series, live: Any, tenant: str | None) -> list[Any]:
+    return _merge(session.execute(_with_rollup(series, live, tenant)), keys=1 + series.labels)
+
+
+def _merge(rows: Iterable[Sequence[Any]], *, keys: int) -> list[Any]:
+    """Rows with the same key (the first ``keys`` columns: one from the rollup, one from the live rows)
+    summed into one."""
+    merged: dict[tuple[Any, ...], list[Any]] = {}
+    for row in rows:
+        key, values = tuple(row[:keys]), [_number(v) for v in row[keys:]]
+        totals = merged.get(key)
+        if totals is None:
+            merged[key] = values
+        else:
+            merged[key] = [a + b for a, b in zip(totals, values, strict=True)]
+    return [(*key, *values) for key, values in merged.items()]
+
+
+def _number(v: Any) -> int | float:
+    """Counts come back as int or Decimal (a ``numeric`` sum), costs as float."""
+    return v if isinstance(v, float) else int(v or 0)
 
 
 def _sum(column: Any) -> Any:
     return sa.func.coalesce(sa.func.sum(column), 0)
 
 
-def _job_scan(tenant: str | None) -> Any:
+def _job_scan(jobs: Any) -> Any:
     redrives = sa.case((col(Job.plan_claims) > 1, col(Job.plan_claims) - 1), else_=0)
-    stmt = sa.select(
+    return sa.select(
         col(Job.tenant), col(Job.status), col(Job.planner), sa.func.count(),
         _sum(col(Job.planner_input_tokens)), _sum(col(Job.planner_output_tokens)), _sum(col(Job.planner_cost_usd)),
         _sum(col(Job.plan_resends)), _sum(redrives),
-    ).group_by(col(Job.tenant), col(Job.status), col(Job.planner))
-    return _for_tenant(stmt, tenant)
+    ).where(jobs).group_by(col(Job.tenant), col(Job.status), col(Job.planner))
 
 
 def _add_jobs(agg: StoreAggregates, rows: Any) -> None:
@@ -100,20 +211,20 @@ def _add_jobs(agg: StoreAggregates, rows: Any) -> None:
     agg.resends += [(t, action, n) for (t, action), n in actions.items()]
 
 
-def _step_scan(tenant: str | None) -> Any:
+def _step_scan(jobs: Any) -> Any:
     ms = col(Step.latency_ms)
     retries = sa.case((col(Step.attempts) > 1, col(Step.attempts) - 1), else_=0)
     buckets = [_sum(sa.case((ms <= int(b * 1000), 1), else_=0)) for b in LATENCY_BUCKETS_S]
-    stmt = (
+    return (
         sa.select(
             col(Job.tenant), col(Step.agent), col(Step.status), sa.func.count(),
             _sum(col(Step.input_tokens)), _sum(col(Step.output_tokens)), _sum(col(Step.cost_usd)),
             _sum(retries), _sum(col(Step.resends)), sa.func.count(ms), _sum(ms), *buckets,
         )
         .select_from(sa.join(Step, Job, col(Step.job_id) == col(Job.id)))
+        .where(jobs)
         .group_by(col(Job.tenant), col(Step.agent), col(Step.status))
     )
-    return _for_tenant(stmt, tenant)
 
 
 def _add_steps(agg: StoreAggregates, rows: Any) -> None:
@@ -142,36 +253,133 @@ def _add_steps(agg: StoreAggregates, rows: Any) -> None:
     agg.latency = [LatencyHistogram(agent, tuple(h[2:]), h[0], h[1] / 1000) for agent, h in latency.items() if h[0]]
 
 
-def _webhook_deliveries(tenant: str | None) -> Any:
-    stmt = sa.select(col(WebhookDelivery.tenant), col(WebhookDelivery.status), sa.func.count()).group_by(
-        col(WebhookDelivery.tenant), col(WebhookDelivery.status))
-    return stmt if tenant is None else stmt.where(col(WebhookDelivery.tenant) == tenant)
+def _webhook_deliveries(deliveries: Any) -> Any:
+    return sa.select(col(WebhookDelivery.tenant), col(WebhookDelivery.status), sa.func.count()).where(
+        deliveries).group_by(col(WebhookDelivery.tenant), col(WebhookDelivery.status))
 
 
-def _webhook_attempts(tenant: str | None) -> Any:
+def _webhook_attempts(deliveries: Any) -> Any:
     code = col(WebhookAttempt.status_code)
     # floor division: "/" is true division in SQLAlchemy 2 (a NUMERIC that Postgres rounds when cast: 451 -> 5xx)
     outcome = sa.case((code.is_(None), "error"), else_=sa.func.concat(code // 100, "xx"))
-    stmt = (
+    return (
         sa.select(col(WebhookDelivery.tenant), outcome, sa.func.count())
         .select_from(sa.join(WebhookAttempt, WebhookDelivery,
                              col(WebhookAttempt.delivery_id) == col(WebhookDelivery.id)))
-        .where(col(WebhookAttempt.finished_at).is_not(None))
+        .where(col(WebhookAttempt.finished_at).is_not(None), deliveries)
         .group_by(col(WebhookDelivery.tenant), outcome)
     )
-    return stmt if tenant is None else stmt.where(col(WebhookDelivery.tenant) == tenant)
 
 
-def _attempt_outcomes(tenant: str | None) -> Any:
+def _attempt_scan(jobs: Any) -> Any:
     outcome = sa.func.coalesce(col(StepAttempt.error_type), ATTEMPT_OK)
-    stmt = (
+    return (
         sa.select(col(Job.tenant), col(Step.agent), outcome, sa.func.count())
         .select_from(
             sa.join(StepAttempt, Step, col(StepAttempt.step_id) == col(Step.id)).join(
                 Job, col(Step.job_id) == col(Job.id)
             )
         )
-        .where(col(StepAttempt.finished_at).is_not(None))
+        .where(col(StepAttempt.finished_at).is_not(None), jobs)
         .group_by(col(Job.tenant), col(Step.agent), outcome)
     )
-    return _for_tenant(stmt, tenant)
+
+
+# --- the rollup ----------------------------------------------------------------------------------
+
+
+def roll_up_jobs(session: Session, *, settled_before: datetime, abandoned_before: datetime, limit: int,
+                 now: datetime | None = None) -> int:
+    """Folds up to ``limit`` ended jobs (oldest first) into ``metrics_rollup`` and marks them, in the
+    caller's transaction (commit it: the sums and the marks land together or not at all). A job is taken
+    once it ended before ``settled_before`` with none of its attempts open and no planning that may still
+    be running (one was re-driven, or the job ended before its plan was recorded), else once it ended
+    before ``abandoned_before`` (the worker of what is still open is gone). Returns how many were folded."""
+    attempt, step = StepAttempt, Step
+    open_attempt = sa.exists(
+        sa.select(sa.literal(1))
+        .select_from(sa.join(attempt, step, col(attempt.step_id) == col(step.id)))
+        .where(col(step.job_id) == col(Job.id), col(attempt.finished_at).is_(None))
+    )
+    planning_may_write = sa.or_(col(Job.plan_claims) > 1,
+                                sa.and_(col(Job.plan_claims) > 0, col(Job.planned_at).is_(None)))
+    ended = (
+        sa.select(col(Job.id))
+        .where(
+            col(Job.metrics_rolled_up_at).is_(None),
+            col(Job.status).in_(sorted(JobStatus.TERMINAL)),
+            col(Job.finished_at) < settled_before,
+            sa.or_(col(Job.finished_at) < abandoned_before, sa.and_(~planning_may_write, ~open_attempt)),
+        )
+        .order_by(col(Job.finished_at))
+        .limit(limit)
+        .with_for_update(skip_locked=True, key_share=True)
+    )
+    ids = _mark(session, Job, list(session.execute(ended).scalars()), now or utcnow())
+    if ids:
+        jobs = col(Job.id).in_(ids)
+        _fold(session, [(JOBS, _job_scan(jobs)), (STEPS, _step_scan(jobs)), (ATTEMPTS, _attempt_scan(jobs))])
+    return len(ids)
+
+
+def roll_up_deliveries(session: Session, *, settled_before: datetime, limit: int, now: datetime | None = None) -> int:
+    """Folds up to ``limit`` webhook deliveries that ended before ``settled_before`` (delivered, failed or
+    disabled: none is sent again) with their attempts, as ``roll_up_jobs`` does jobs. An attempt that
+    outlived its lease may still be recorded after its delivery ended: ``settled_before`` must leave it
+    that long (``webhook_timeout_s`` and the lease's margin)."""
+    ended = (
+        sa.select(col(WebhookDelivery.id))
+        .where(
+            col(WebhookDelivery.metrics_rolled_up_at).is_(None),
+            col(WebhookDelivery.status).in_([s.value for s in ENDED_DELIVERIES]),
+            col(WebhookDelivery.finished_at) < settled_before,
+        )
+        .order_by(col(WebhookDelivery.finished_at))
+        .limit(limit)
+        .with_for_update(skip_locked=True, key_share=True)
+    )
+    ids = _mark(session, WebhookDelivery, list(session.execute(ended).scalars()), now or utcnow())
+    if ids:
+        deliveries = col(WebhookDelivery.id).in_(ids)
+        _fold(session, [(WEBHOOKS, _webhook_deliveries(deliveries)),
+                        (WEBHOOK_ATTEMPTS, _webhook_attempts(deliveries))])
+    return len(ids)
+
+
+def _mark(session: Session, model: type[Job] | type[WebhookDelivery], ids: list[str], now: datetime) -> list[str]:
+    """Marks the rows of ``ids`` still not rolled up; returns those. On Postgres they are this
+    transaction's (locked when chosen); on SQLite the update takes the database's write lock, and a pass
+    that committed meanwhile makes it fail (its snapshot is stale) rather than fold a row twice."""
+    if not ids:
+        return []
+    marked = session.execute(
+        sa.update(model)
+        .where(col(model.id).in_(ids), col(model.metrics_rolled_up_at).is_(None))
+        .values(metrics_rolled_up_at=now)
+        .returning(col(model.id))
+    )
+    return list(marked.scalars())
+
+
+def _fold(session: Session, scans: list[tuple[_Series, Any]]) -> None:
+    """Adds the scans' rows to the rollup: one upsert per (tenant, series, labels), in key order, so two
+    folds at once wait for each other's rows in the same order (no deadlock)."""
+    sums: list[dict[str, Any]] = []
+    for series, scan in scans:
+        for row in session.execute(scan):
+            labels = [str(v) for v in row[1:1 + series.labels]] + [""] * (2 - series.labels)
+            values: dict[str, Any] = dict.fromkeys(ROLLUP_VALUES, 0) | dict(
+                zip(series.values, (_number(v) for v in row[1 + series.labels:]), strict=True))
+            values["cost_usd"] = float(values["cost_usd"])
+            sums.append({"tenant": row[0], "series": series.name, "label_a": labels[0], "label_b": labels[1],
+                         **values})
+    if not sums:
+        return
+    sums.sort(key=lambda r: (r["tenant"], r["series"], r["label_a"], r["label_b"]))
+    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    stmt = insert(METRICS_ROLLUP)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["tenant", "series", "label_a", "label_b"],
+        set_={v: METRICS_ROLLUP.c[v] + stmt.excluded[v] for v in ROLLUP_VALUES},
+    )
+    session.execute(stmt, sums)  # in list order: executemany runs them one after another
