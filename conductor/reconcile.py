@@ -14,7 +14,10 @@ waits out the visibility timeout, a send that failed after the commit). Each pas
 - batches whose jobs have all ended but whose output was never written (ended here, so a batch no one
   reads still gets its output file), batches past their completion window (expired), and cancellations
   interrupted midway;
-- trace-viewer sessions past their expiry (up to 1,000 a pass), whose keys may never sign in again.
+- trace-viewer sessions past their expiry (up to 1,000 a pass), whose keys may never sign in again;
+- jobs and webhook deliveries that ended and settled, folded into ``metrics_rollup`` in batches for up to
+  ``METRICS_ROLLUP_BUDGET_S`` a pass (``roll_up_metrics``), so a ``/metrics`` scrape aggregates only
+  the rows not folded yet.
 A step re-claimed after its worker died, or a planning re-driven, more than ``step_max_attempts``
 times fails instead of running again.
 Every re-send is safe to duplicate: plan, claim and finalize are conditional updates.
@@ -29,6 +32,7 @@ a job stuck planning within ``planning_stale_s + reconcile_interval_s``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -42,6 +46,7 @@ from conductor.store import jobs as store
 from conductor.store import webhooks as webhook_store
 from conductor.store.db import session_scope
 from conductor.store.keys import delete_expired_sessions
+from conductor.store.metrics import roll_up_deliveries, roll_up_jobs
 from conductor.store.models import JobStatus, StepStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -56,6 +61,11 @@ WEBHOOK_BACKFILL_MAX_S = 24 * 3600.0
 _backfilled_at: datetime | None = None
 """When the last pass of this process that wrote every delivery it found owed had started."""
 MAX_BACKOFF_DOUBLINGS = 6
+METRICS_ROLLUP_BATCH = 1000
+"""Jobs (and webhook deliveries) folded into ``metrics_rollup`` per transaction."""
+METRICS_ROLLUP_BUDGET_S = 5.0
+"""How long one pass keeps folding batches: after an upgrade the history is folded over the first passes,
+oldest first, without holding up the pass behind it (a third of the default interval)."""
 
 
 def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = None
@@ -149,7 +159,46 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
     except Exception:  # the dispatch gathered above must still be sent; the batches are retried next pass
         log.exception("reconciling batches failed; retrying at the next pass")
         report["batches_error"] = True
+    try:
+        report.update(roll_up_metrics(settings, now=now))
+    except Exception:  # housekeeping: a batch not folded stays in the scrape's live rows until a later pass
+        log.exception("rolling up metrics failed; retrying at the next pass")
+        report["metrics_rollup_error"] = True
     return report, dispatch
+
+
+def roll_up_metrics(settings: Settings, *, now: datetime, budget_s: float = METRICS_ROLLUP_BUDGET_S,
+                    batch: int = METRICS_ROLLUP_BATCH) -> dict[str, int]:
+    """Folds settled jobs and webhook deliveries into ``metrics_rollup``, a batch of each per transaction,
+    until none is left or ``budget_s`` has passed (a batch that started finishes)."""
+    from conductor.webhooks.deliver import LEASE_MARGIN_S
+
+    settled = now - timedelta(seconds=settings.metrics_settle_s)
+    abandoned = now - timedelta(seconds=metrics_abandoned_s(settings))
+    # an attempt that outlived its lease (webhook_timeout_s + LEASE_MARGIN_S) may be recorded after its delivery ended
+    delivered = settled - timedelta(seconds=settings.webhook_timeout_s + LEASE_MARGIN_S)
+    deadline = time.monotonic() + budget_s
+    jobs = deliveries = 0
+    more_jobs = more_deliveries = True
+    while (more_jobs or more_deliveries) and time.monotonic() < deadline:
+        if more_jobs:
+            with session_scope() as s:
+                n = roll_up_jobs(s, settled_before=settled, abandoned_before=abandoned, limit=batch)
+            jobs, more_jobs = jobs + n, n == batch
+        if more_deliveries:
+            with session_scope() as s:
+                n = roll_up_deliveries(s, settled_before=delivered, limit=batch)
+            deliveries, more_deliveries = deliveries + n, n == batch
+    return {"metrics_rolled_up_jobs": jobs, "metrics_rolled_up_deliveries": deliveries}
+
+
+def metrics_abandoned_s(settings: Settings) -> float:
+    """``metrics_abandoned_s``, or by default the longest a planning may run while its worker lives."""
+    if settings.metrics_abandoned_s is not None:
+        return settings.metrics_abandoned_s
+    from conductor.planning.conductor_planner import MAX_PLANNER_ATTEMPTS
+
+    return MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s()
 
 
 def _webhooks_due(s: Session, *, now: datetime, stale_s: float) -> tuple[list[str], bool]:

@@ -151,6 +151,18 @@ class Settings(BaseSettings):
     # How often the reconciler runs and how old unfinished work must be before it is re-driven.
     reconcile_interval_s: float = Field(default=15.0, gt=0)
     reconcile_stale_s: float = Field(default=30.0, ge=0)
+    metrics_settle_s: float = Field(default=60.0, ge=0)
+    """How long after a job ended (with none of its provider calls still open) the reconciler folds it, its
+    steps and attempts into ``metrics_rollup``, so that ``/metrics`` no longer aggregates their rows; a
+    webhook delivery this long plus ``webhook_timeout_s`` and its lease's margin after it ended. The
+    scrape's cost follows the rows not folded: those in flight and those that ended within this."""
+    metrics_abandoned_s: float | None = Field(default=None, ge=0)
+    """A job that ended with a call still open (its worker died mid-call, or it is still running and will
+    close its attempt and add its usage when it returns), or with a planning that may still be running
+    (it was re-driven, or ended before its plan), is folded only this long after it ended. Default: the
+    longest a planning may run while its worker lives (two planner calls, each as long as a step's longest
+    run: 78 min with the defaults); raise it for agents whose ``timeout_s`` is longer than
+    ``provider_timeout_s``."""
 
     # Webhooks (Standard Webhooks): when each retry of a failed delivery is due, after attempt 1, 2, ...;
     # a delivery still failing after the last one is given up (``failed``).
