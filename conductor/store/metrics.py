@@ -260,8 +260,9 @@ def _webhook_deliveries(deliveries: Any) -> Any:
 
 def _webhook_attempts(deliveries: Any) -> Any:
     code = col(WebhookAttempt.status_code)
-    # floor division: "/" is true division in SQLAlchemy 2 (a NUMERIC that Postgres rounds when cast: 451 -> 5xx)
-    outcome = sa.case((code.is_(None), "error"), else_=sa.func.concat(code // 100, "xx"))
+    # floor division: "/" is true division in SQLAlchemy 2 (a NUMERIC that Postgres rounds when cast: 451 -> 5xx);
+    # "||", not concat(), which SQLite lacks
+    outcome = sa.case((code.is_(None), "error"), else_=sa.cast(code // 100, sa.String()) + "xx")
     return (
         sa.select(col(WebhookDelivery.tenant), outcome, sa.func.count())
         .select_from(sa.join(WebhookAttempt, WebhookDelivery,
