@@ -37,6 +37,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
+import sqlalchemy as sa
 from sqlmodel import Session
 
 from conductor.batches import reconcile_batches
@@ -66,6 +67,10 @@ METRICS_ROLLUP_BATCH = 1000
 METRICS_ROLLUP_BUDGET_S = 5.0
 """How long one pass keeps folding batches: after an upgrade the history is folded over the first passes,
 oldest first, without holding up the pass behind it (a third of the default interval)."""
+METRICS_ROLLUP_ANALYZE_AFTER = 10 * METRICS_ROLLUP_BATCH
+"""A pass that folded this many rows of a table (the history, after an upgrade) has Postgres ANALYZE it:
+the scrape finds the rows not rolled up through a partial index only once the statistics say they are
+few, and autovacuum's analyze may come minutes after the history is folded."""
 
 
 def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = None
@@ -189,7 +194,17 @@ def roll_up_metrics(settings: Settings, *, now: datetime, budget_s: float = METR
             with session_scope() as s:
                 n = roll_up_deliveries(s, settled_before=delivered, limit=batch)
             deliveries, more_deliveries = deliveries + n, n == batch
+    for table, folded in (("job", jobs), ("webhook_delivery", deliveries)):
+        if folded >= METRICS_ROLLUP_ANALYZE_AFTER:
+            analyze(table)
     return {"metrics_rolled_up_jobs": jobs, "metrics_rolled_up_deliveries": deliveries}
+
+
+def analyze(table: str) -> None:
+    """``ANALYZE table`` on Postgres (its statistics; SQLite plans without them)."""
+    with session_scope() as s:
+        if s.get_bind().dialect.name == "postgresql":
+            s.execute(sa.text(f"ANALYZE {table}"))
 
 
 def metrics_abandoned_s(settings: Settings) -> float:
