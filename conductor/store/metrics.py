@@ -296,6 +296,17 @@ def roll_up_jobs(session: Session, *, settled_before: datetime, abandoned_before
     once it ended before ``settled_before`` with none of its attempts open and no planning that may still
     be running (one was re-driven, or the job ended before its plan was recorded), else once it ended
     before ``abandoned_before`` (the worker of what is still open is gone). Returns how many were folded."""
+    ids = _mark(session, Job, list(session.execute(settled_jobs(settled_before, abandoned_before, limit)).scalars()),
+                now or utcnow())
+    if ids:
+        jobs = col(Job.id).in_(ids)
+        _fold(session, [(JOBS, _job_scan(jobs)), (STEPS, _step_scan(jobs)), (ATTEMPTS, _attempt_scan(jobs))])
+    return len(ids)
+
+
+def settled_jobs(settled_before: datetime, abandoned_before: datetime, limit: int) -> Any:
+    """``roll_up_jobs``'s choice of jobs, oldest first through ``ix_job_metrics_unrolled``, each locked
+    (``FOR NO KEY UPDATE SKIP LOCKED`` on Postgres: another pass's are skipped, never waited for)."""
     attempt, step = StepAttempt, Step
     open_attempt = sa.exists(
         sa.select(sa.literal(1))
@@ -304,7 +315,7 @@ def roll_up_jobs(session: Session, *, settled_before: datetime, abandoned_before
     )
     planning_may_write = sa.or_(col(Job.plan_claims) > 1,
                                 sa.and_(col(Job.plan_claims) > 0, col(Job.planned_at).is_(None)))
-    ended = (
+    return (
         sa.select(col(Job.id))
         .where(
             col(Job.metrics_rolled_up_at).is_(None),
@@ -316,11 +327,6 @@ def roll_up_jobs(session: Session, *, settled_before: datetime, abandoned_before
         .limit(limit)
         .with_for_update(skip_locked=True, key_share=True)
     )
-    ids = _mark(session, Job, list(session.execute(ended).scalars()), now or utcnow())
-    if ids:
-        jobs = col(Job.id).in_(ids)
-        _fold(session, [(JOBS, _job_scan(jobs)), (STEPS, _step_scan(jobs)), (ATTEMPTS, _attempt_scan(jobs))])
-    return len(ids)
 
 
 def roll_up_deliveries(session: Session, *, settled_before: datetime, limit: int, now: datetime | None = None) -> int:
