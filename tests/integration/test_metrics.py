@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from datetime import timedelta
 
 import httpx
 import pytest
 import redis
+import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
-from sqlmodel import select
+from sqlmodel import col, select
 
 from conductor.settings import get_settings
 from conductor.store.db import session_scope
@@ -40,6 +42,11 @@ def series(samples: Samples, name: str) -> dict[tuple[tuple[str, str], ...], flo
     return {labels: v for (n, labels), v in samples.items() if n == name}
 
 
+def store_numbers(samples: Samples) -> Samples:
+    """``samples`` but the broker's (queue depths, up), which no rollup touches."""
+    return {k: v for k, v in samples.items() if not k[0].startswith(("conductor_queue", "conductor_broker"))}
+
+
 def L(**labels: str) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(labels.items()))
 
@@ -67,6 +74,16 @@ def ran(client: httpx.Client, api: str) -> Iterator[None]:
 
 def test_metrics_equal_what_the_store_says(ran: None, api: str) -> None:
     got = scrape(api, TOKEN)
+    assert_store_series(got)
+
+    broker = redis.Redis.from_url(get_settings().broker_url)
+    assert got[("conductor_broker_up", ())] == 1
+    for queue in ("planner", "steps"):
+        assert got[("conductor_queue_depth", L(queue=queue))] == broker.llen(queue)
+
+
+def assert_store_series(got: Samples) -> None:
+    """Every job, step and attempt series of ``got`` (an all-tenant scrape) equals what the rows say."""
     with session_scope() as s:
         jobs = list(s.exec(select(Job)))
         steps = list(s.exec(select(Step)))
@@ -138,11 +155,6 @@ def test_metrics_equal_what_the_store_says(ran: None, api: str) -> None:
         assert actions[L(tenant=tenant, action="planning_redrive")] == sum(
             max(j.plan_claims - 1, 0) for j in mine_jobs)
 
-    broker = redis.Redis.from_url(get_settings().broker_url)
-    assert got[("conductor_broker_up", ())] == 1
-    for queue in ("planner", "steps"):
-        assert got[("conductor_queue_depth", L(queue=queue))] == broker.llen(queue)
-
 
 def test_a_tenant_key_sees_only_its_own_series(ran: None, api: str) -> None:
     mine = scrape(api, new_key("tenant-m"))
@@ -184,13 +196,20 @@ def test_webhook_deliveries_and_sends_equal_their_rows(ran: None, api: str) -> N
         for job_id, status, codes in ((free[0], "delivered", [500, 451, 299, 250, 200]), (free[1], "failed", [None])):
             delivery = WebhookDelivery(id=f"msg_{job_id}", job_id=job_id, tenant="tenant-m",
                                        url="https://hooks.example/x", event_type="job.succeeded", status=status,
-                                       attempts=len(codes))
+                                       attempts=len(codes), finished_at=utcnow())
             s.add(delivery)
             s.flush()
             for n, code in enumerate(codes, start=1):
                 s.add(WebhookAttempt(delivery_id=delivery.id, n=n, finished_at=utcnow(), status_code=code,
                                      error=None if code else "connection refused"))
     got = scrape(api, TOKEN)
+    assert_webhook_series(got)
+    assert got[("conductor_webhook_attempts_total", L(tenant="tenant-m", outcome="5xx"))] >= 1
+
+
+def assert_webhook_series(got: Samples) -> None:
+    from conductor.store.models import WebhookAttempt, WebhookDelivery
+
     with session_scope() as s:
         deliveries = list(s.exec(select(WebhookDelivery)))
         sends = list(s.exec(select(WebhookAttempt)))
@@ -201,4 +220,32 @@ def test_webhook_deliveries_and_sends_equal_their_rows(ran: None, api: str) -> N
         L(tenant=t, outcome=o): n for (t, o), n in Counter(
             (tenant_of[a.delivery_id], f"{a.status_code // 100}xx" if a.status_code else "error")
             for a in sends if a.finished_at is not None).items()}
-    assert got[("conductor_webhook_attempts_total", L(tenant="tenant-m", outcome="5xx"))] >= 1
+
+
+def test_a_rollup_pass_changes_no_number(ran: None, api: str) -> None:
+    """The jobs above (and the deliveries the test above added) folded into the rollup by a reconciler
+    pass's ``roll_up_metrics``: every series of an all-tenant scrape and of each tenant's is what it was,
+    and still what the rows say. Whatever other modules left settled is folded too."""
+    from conductor.reconcile import roll_up_metrics
+    from conductor.store.models import METRICS_ROLLUP, WebhookDelivery
+
+    keys = {"tenant-a": new_key("tenant-a"), "tenant-m": new_key("tenant-m")}
+    before = {None: scrape(api, TOKEN), **{t: scrape(api, key) for t, key in keys.items()}}
+    settings = get_settings().model_copy(update={"metrics_settle_s": 0.0, "metrics_abandoned_s": 86400.0})
+    # a minute on, for the deliveries: an attempt that outlived its lease may be recorded after one ended
+    folded = roll_up_metrics(settings, now=utcnow() + timedelta(seconds=60))
+    assert folded["metrics_rolled_up_jobs"] >= 4 and folded["metrics_rolled_up_deliveries"] >= 2
+    with session_scope() as s:
+        assert not s.exec(select(Job.id).where(col(Job.task).in_(["diamond", "retries", "fails", "planned"]),
+                                               col(Job.metrics_rolled_up_at).is_(None))).all()
+        assert not s.exec(select(WebhookDelivery.id).where(col(WebhookDelivery.id).startswith("msg_"),
+                                                           col(WebhookDelivery.metrics_rolled_up_at).is_(None),
+                                                           WebhookDelivery.tenant == "tenant-m",
+                                                           WebhookDelivery.status != "pending")).all()
+        series = {row.series for row in s.execute(sa.select(METRICS_ROLLUP))}
+    assert series == {"job", "step", "attempt", "webhook", "webhook_attempt"}
+    after = {None: scrape(api, TOKEN), **{t: scrape(api, key) for t, key in keys.items()}}
+    for tenant, samples in before.items():
+        assert store_numbers(after[tenant]) == pytest.approx(store_numbers(samples), rel=1e-12), tenant
+    assert_store_series(after[None])
+    assert_webhook_series(after[None])
