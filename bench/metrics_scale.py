@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--tenants", type=int, default=20)
     p.add_argument("--in-flight", type=int, default=200)
+    p.add_argument("--recent", type=int, default=200, help="jobs that ended just now (not settled)")
     p.add_argument("--delivery-every", type=int, default=2)
     p.add_argument("--tenant", help="scrape: only this tenant's series (as its API key sees them)")
     p.add_argument("--repeat", type=int, default=3)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         with engine.begin() as conn:
             fill(conn, jobs=args.jobs, steps=args.steps, tenants=args.tenants, in_flight=args.in_flight,
-                 delivery_every=args.delivery_every)
+                 recent=args.recent, delivery_every=args.delivery_every)
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.exec_driver_sql("VACUUM ANALYZE")
         print(f"filled in {time.perf_counter() - started:.1f} s")
