@@ -10,7 +10,7 @@ ago), ``--steps`` steps per job with one attempt each (every 8th step a second, 
 delivery with two sends for every ``--delivery-every``-th job. ``scrape`` times whatever
 ``conductor.store.metrics.read_aggregates`` is imported (``--code DIR``: another checkout's, for the
 before), and ``rollup`` folds as the reconciler does, timing each batch. Timings are printed, never
-asserted (tests/integration/test_metrics.py uses ``fill`` at a small scale for its ``EXPLAIN`` test).
+asserted (tests/integration/test_metrics_rollup.py uses ``fill`` at a small scale, ``EXPLAIN`` included).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ ATTEMPT_OK = "ok"
 ENDED_DELIVERIES = (DeliveryStatus.DELIVERED, DeliveryStatus.FAILED, DeliveryStatus.DISABLED)
 
 __all__ = ["LATENCY_BUCKETS_S", "LatencyHistogram", "StoreAggregates", "read_aggregates", "roll_up_deliveries",
-           "roll_up_jobs"]
+           "roll_up_jobs", "scrape_statements", "settled_jobs"]
 
 
 @dataclass(frozen=True)
@@ -120,19 +120,22 @@ def read_aggregates(session: Session, *, tenant: str | None = None) -> StoreAggr
     """Everything ``/metrics`` reports from the store, in five statements (jobs, steps, attempts, webhook
     deliveries, their attempts), each the rollup's rows and the rows not rolled up; with ``tenant``, only
     that tenant's."""
-    unrolled_jobs = _for_tenant(col(Job.metrics_rolled_up_at).is_(None), col(Job.tenant), tenant)
-    unrolled_deliveries = _for_tenant(col(WebhookDelivery.metrics_rolled_up_at).is_(None),
-                                      col(WebhookDelivery.tenant), tenant)
-    agg = StoreAggregates(attempts=_read(session, ATTEMPTS, _attempt_scan(unrolled_jobs), tenant))
-    _add_jobs(agg, _read(session, JOBS, _job_scan(unrolled_jobs), tenant))
-    _add_steps(agg, _read(session, STEPS, _step_scan(unrolled_jobs), tenant))
-    agg.webhooks = _read(session, WEBHOOKS, _webhook_deliveries(unrolled_deliveries), tenant)
-    agg.webhook_attempts = _read(session, WEBHOOK_ATTEMPTS, _webhook_attempts(unrolled_deliveries), tenant)
+    statements = scrape_statements(tenant)
+
+    def read(series: _Series) -> list[Any]:
+        return _merge(session.execute(statements[series.name]), keys=1 + series.labels)
+
+    agg = StoreAggregates(attempts=read(ATTEMPTS))
+    _add_jobs(agg, read(JOBS))
+    _add_steps(agg, read(STEPS))
+    agg.webhooks = read(WEBHOOKS)
+    agg.webhook_attempts = read(WEBHOOK_ATTEMPTS)
     return agg
 
 
-def live_statements(tenant: str | None = None) -> dict[str, Any]:
-    """The scrape's statements by series (what ``read_aggregates`` runs): for ``EXPLAIN``."""
+def scrape_statements(tenant: str | None = None) -> dict[str, Any]:
+    """The scrape's statement for each series (by name): the ``GROUP BY`` over the jobs (or deliveries)
+    not rolled up, and their steps and attempts, UNION ALL the rollup's rows."""
     jobs = _for_tenant(col(Job.metrics_rolled_up_at).is_(None), col(Job.tenant), tenant)
     deliveries = _for_tenant(col(WebhookDelivery.metrics_rolled_up_at).is_(None), col(WebhookDelivery.tenant), tenant)
     return {
@@ -156,10 +159,6 @@ def _with_rollup(series: _Series, live: Any, tenant: str | None) -> Any:
     if tenant is not None:
         rolled = rolled.where(r.tenant == tenant)
     return sa.union_all(live, rolled)
-
-
-def _read(session: Session, series: _Series, live: Any, tenant: str | None) -> list[Any]:
-    return _merge(session.execute(_with_rollup(series, live, tenant)), keys=1 + series.labels)
 
 
 def _merge(rows: Iterable[Sequence[Any]], *, keys: int) -> list[Any]:

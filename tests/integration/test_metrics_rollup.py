@@ -18,7 +18,7 @@ from sqlmodel import Session
 
 from bench.metrics_scale import fill
 from conductor.store.db import get_engine
-from conductor.store.metrics import live_statements, read_aggregates, roll_up_jobs, settled_jobs
+from conductor.store.metrics import read_aggregates, roll_up_jobs, scrape_statements, settled_jobs
 from conductor.store.models import utcnow
 
 TENANTS = 4
@@ -166,7 +166,7 @@ def test_a_scrape_reads_the_rows_not_rolled_up_through_the_partial_indexes(fille
     """Every statement of the scrape, all tenants' and one tenant's, finds its jobs or deliveries through
     their partial index and their steps and attempts by key, reading none of the tables whole."""
     for tenant in (None, f"{PREFIX}2"):
-        for series, statement in live_statements(tenant).items():
+        for series, statement in scrape_statements(tenant).items():
             plan = explain(filled_table, statement)
             table = "webhook_delivery" if series.startswith("webhook") else "job"
             index = f"ix_{table}_metrics_unrolled"

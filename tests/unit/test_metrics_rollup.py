@@ -1,8 +1,8 @@
 """The metrics rollup on a migrated SQLite store (embedded mode): a reconciler pass folds ended jobs and
 webhook deliveries and no number of ``/metrics`` changes, per tenant and for all; a job whose rows may
 still be written (ended within ``metrics_settle_s``, an attempt still open, a planning that may still run)
-is not folded until they may not. Postgres (concurrent passes, the partial index) is covered by
-tests/integration/test_metrics.py."""
+is not folded until they may not. On Postgres: tests/integration/test_metrics.py (real jobs) and
+test_metrics_rollup.py (concurrent passes, the partial indexes)."""
 
 from __future__ import annotations
 
