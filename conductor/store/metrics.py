@@ -353,9 +353,9 @@ def roll_up_deliveries(session: Session, *, settled_before: datetime, limit: int
 
 
 def _mark(session: Session, model: type[Job] | type[WebhookDelivery], ids: list[str], now: datetime) -> list[str]:
-    """Marks the rows of ``ids`` still not rolled up; returns those. On Postgres they are this
-    transaction's (locked when chosen); on SQLite the update takes the database's write lock, and a pass
-    that committed meanwhile makes it fail (its snapshot is stale) rather than fold a row twice."""
+    """Marks the rows of ``ids`` still not rolled up; returns those, the rows this transaction folds. On
+    Postgres they are all of ``ids`` (locked when chosen); on SQLite, which locks no row, the update takes
+    the database's write lock until the commit, and a row another pass marked meanwhile is left out."""
     if not ids:
         return []
     marked = session.execute(
