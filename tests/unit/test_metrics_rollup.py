@@ -226,7 +226,7 @@ def test_a_pass_folds_in_batches_within_its_budget(settings: Settings) -> None:
 def test_the_rollup_has_a_column_per_latency_bucket() -> None:
     import importlib
 
-    migration = importlib.import_module("conductor.migrations.versions.0018_metrics_rollup")
+    migration = importlib.import_module("conductor.migrations.versions.0019_metrics_rollup")
     columns = tuple(latency_bucket_column(b) for b in LATENCY_BUCKETS_S)
     assert columns == migration.LATENCY_BUCKET_COLUMNS
     assert all(c in METRICS_ROLLUP.c for c in columns)
