@@ -123,19 +123,24 @@ def admission(tenant: str, settings: Settings) -> Admission:
 
 
 # KEYS[1] the tenant's open streams (zset: slot -> expiry, microseconds). ARGV: slot, limit, ttl (s).
-# Returns 1 when the slot is held (taken now or refreshed), else 0.
+# Returns EXTENDED (2) when the slot was held and is extended, TAKEN (1) when it is taken now (a new slot,
+# or one that lapsed, counted against the limit like a new one), REFUSED (0) when the tenant holds ``limit``.
 TAKE_STREAM_LUA = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local ttl = tonumber(ARGV[3]) * 1000000
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) == false and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+local held = 1
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  held = 2
+elseif redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
   return 0
 end
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], math.ceil(ttl / 1000) + 1000)
-return 1
+return held
 """
+REFUSED, TAKEN, EXTENDED = 0, 1, 2
 
 
 class StreamSlots:
@@ -145,9 +150,10 @@ class StreamSlots:
         self.client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
         self._take = self.client.register_script(TAKE_STREAM_LUA)
 
-    def hold(self, tenant: str, slot: str, *, limit: int) -> bool:
-        """Takes (or refreshes) ``slot``; False when the tenant already holds ``limit`` other slots."""
-        return bool(int(self._take(keys=[STREAMS_KEY + tenant], args=[slot, limit, repr(STREAM_TTL_S)])))
+    def hold(self, tenant: str, slot: str, *, limit: int) -> int:
+        """Extends ``slot`` while it is held (``EXTENDED``), else takes it (``TAKEN``) unless the tenant
+        already holds ``limit`` slots (``REFUSED``)."""
+        return int(self._take(keys=[STREAMS_KEY + tenant], args=[slot, limit, repr(STREAM_TTL_S)]))
 
     def release(self, tenant: str, slot: str) -> None:
         self.client.zrem(STREAMS_KEY + tenant, slot)
@@ -167,7 +173,7 @@ def open_stream(tenant: str, slot: str, settings: Settings) -> None:
     except redis.RedisError as exc:
         log.warning("stream quota not enforced: %s", exc)
         return
-    if not held:
+    if held == REFUSED:
         raise QuotaExceeded(
             "Too many event streams",
             f"this tenant already has {settings.tenant_max_streams} event streams open; close one first",
@@ -175,12 +181,26 @@ def open_stream(tenant: str, slot: str, settings: Settings) -> None:
         )
 
 
-def refresh_stream(tenant: str, slot: str, settings: Settings) -> None:
-    if _uses_redis(settings):
-        try:
-            stream_slots(settings.broker_url).hold(tenant, slot, limit=settings.tenant_max_streams + 1_000_000)
-        except redis.RedisError as exc:
-            log.warning("stream slot not refreshed: %s", exc)
+def refresh_stream(tenant: str, slot: str, settings: Settings) -> bool:
+    """Extends an open stream's slot; False when the stream must end. A slot not refreshed within
+    ``STREAM_TTL_S`` (its process stalled, or Redis was away) has lapsed and its place may have gone to
+    another stream: it is taken again only under ``tenant_max_streams``, as a new stream would be."""
+    if not _uses_redis(settings):
+        return True
+    try:
+        held = stream_slots(settings.broker_url).hold(tenant, slot, limit=settings.tenant_max_streams)
+    except redis.RedisError as exc:
+        log.warning("stream slot not refreshed: %s", exc)
+        return True
+    if held == TAKEN:
+        log.warning("stream slot of tenant %s had lapsed; taken again", tenant)
+    return held != REFUSED
+
+
+def lapsed_stream_message(settings: Settings) -> str:
+    """Why a stream whose slot lapsed and could not be taken again ends (``refresh_stream`` said False)."""
+    return (f"this stream's slot lapsed (not refreshed for {STREAM_TTL_S:g} s) and the tenant has "
+            f"{settings.tenant_max_streams} event streams open meanwhile, its limit")
 
 
 def close_stream(tenant: str, slot: str, settings: Settings) -> None:
@@ -192,4 +212,4 @@ def close_stream(tenant: str, slot: str, settings: Settings) -> None:
 
 
 __all__ = ["Admission", "QuotaExceeded", "admission", "check_jobs_in_flight", "check_submit_rate", "close_stream",
-           "in_flight_refusal", "open_stream", "refresh_stream"]
+           "in_flight_refusal", "lapsed_stream_message", "open_stream", "refresh_stream"]

@@ -11,8 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import sqlalchemy as sa
 
+from conductor.quotas import STREAMS_KEY, close_stream, open_stream, refresh_stream
+from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import session_scope
 from conductor.store.keys import revoke_key
@@ -146,6 +149,27 @@ def test_an_event_stream_ends_when_its_key_is_revoked(quota_api: str) -> None:
         assert seen[-1] == ("error", {"type": "key_revoked", "message": "the API key of this stream was revoked"})
         assert not any(k == "job" and e["status"] == "succeeded" for k, e in seen)  # it ended before the job did
         assert c.get(f"/v1/jobs/{job_id}").status_code == 401
+
+
+def test_a_lapsed_stream_slot_is_taken_again_only_under_the_limit() -> None:
+    """A stream refreshes its slot; one not refreshed within STREAM_TTL_S (its API process stalled) lapses
+    and its place can go to a new stream. Its next refresh then counts against the limit like a new
+    stream: refused (the stream must end) while the tenant holds its limit, taken once a place is free."""
+    settings = get_settings().model_copy(update={"tenant_max_streams": 2})
+    tenant, slots = "lapsing-streams", redis.Redis.from_url(get_settings().broker_url)
+    zset = STREAMS_KEY + tenant
+    open_stream(tenant, "a", settings)
+    open_stream(tenant, "b", settings)
+    refresh_stream(tenant, "a", settings)  # held: extended
+    slots.zadd(zset, {"a": 0})  # a's refresher stalled: its expiry passed
+    open_stream(tenant, "c", settings)  # a's place went to c
+    refreshed = refresh_stream(tenant, "a", settings)
+    assert sorted(slots.zrange(zset, 0, -1)) == [b"b", b"c"]  # not three open where two may be
+    assert refreshed is False
+    close_stream(tenant, "c", settings)
+    assert refresh_stream(tenant, "a", settings) is True  # a place is free: taken again
+    assert sorted(slots.zrange(zset, 0, -1)) == [b"a", b"b"]
+    slots.delete(zset)
 
 
 def test_deeply_nested_json_is_a_422_not_a_500(client: httpx.Client) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
 from conductor.engine import cancel_job
-from conductor.quotas import admission, close_stream, open_stream, refresh_stream
+from conductor.quotas import admission, close_stream, lapsed_stream_message, open_stream, refresh_stream
 from conductor.replay import ReplayRequest, create_replay
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep, bearer_key, job_or_404, resolve_tenant
 from conductor.service.problems import Problem, problems
@@ -261,6 +262,11 @@ EVENTS_MAX_S = 3600.0
 KEY_REVOKED = '{"type": "key_revoked", "message": "the API key of this stream was revoked"}'
 
 
+def _error_event(kind: str, message: str) -> str:
+    """``event: error`` ending a stream: ``{"type", "message"}``."""
+    return f"event: error\ndata: {json.dumps({'type': kind, 'message': message})}\n\n"
+
+
 async def _event_stream(
     job_id: str, settings: Settings, *, tenant: str, slot: str, key: str | None
 ) -> AsyncIterator[str]:
@@ -297,7 +303,9 @@ async def _events(job_id: str, settings: Settings, *, tenant: str, slot: str, ke
             yield ": keep-alive\n\n"
         if time.monotonic() - last_held > EVENTS_HEARTBEAT_S:
             last_held = time.monotonic()
-            await run_in_threadpool(refresh_stream, tenant, slot, settings)
+            if not await run_in_threadpool(refresh_stream, tenant, slot, settings):
+                yield _error_event("too_many_streams", f"{lapsed_stream_message(settings)}; job {job_id} goes on")
+                return
         await asyncio.sleep(EVENTS_POLL_S)
 
 

@@ -13,7 +13,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Response
@@ -32,7 +33,14 @@ from conductor.openai_wire import (
     ModelList,
     ModelObject,
 )
-from conductor.quotas import QuotaExceeded, admission, close_stream, open_stream, refresh_stream
+from conductor.quotas import (
+    QuotaExceeded,
+    admission,
+    close_stream,
+    lapsed_stream_message,
+    open_stream,
+    refresh_stream,
+)
 from conductor.service.deps import SettingsDep, TenantDep, bearer_key, resolve_tenant
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
 from conductor.service.problems import http_status
@@ -110,7 +118,8 @@ async def chat_completions(
         raise
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return StreamingResponse(
-        _held(_stream(job_id, body.model, settings, key, include_usage=include_usage), tenant, slot, settings),
+        _held(_stream(job_id, body.model, settings, key, include_usage=include_usage), job_id, tenant, slot,
+              settings),
         media_type="text/event-stream",
         headers={JOB_HEADER: job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -211,15 +220,24 @@ def _not_answered(job_id: str, job: Job | None, settings: Settings) -> tuple[int
     return 500, f"job {job_id} failed ({reason})", "job_failed"
 
 
-async def _held(events: AsyncIterator[str], tenant: str, slot: str, settings: Settings) -> AsyncIterator[str]:
-    """The stream, holding its slot: refreshed while it runs, released when it ends or the client leaves."""
+async def _held(events: AsyncGenerator[str, None], job_id: str, tenant: str, slot: str,
+                settings: Settings) -> AsyncIterator[str]:
+    """The stream, holding its slot: refreshed while it runs, released when it ends or the client leaves.
+    A slot that lapsed meanwhile and cannot be taken again (the tenant holds its limit of streams) ends
+    the stream with a ``rate_limit_exceeded`` error event, as a new stream would be refused."""
     last_held = time.monotonic()
     try:
-        async for event in events:
-            if time.monotonic() - last_held > HEARTBEAT_S:
-                last_held = time.monotonic()
-                await run_in_threadpool(refresh_stream, tenant, slot, settings)
-            yield event
+        async with aclosing(events):
+            async for event in events:
+                if time.monotonic() - last_held > HEARTBEAT_S:
+                    last_held = time.monotonic()
+                    if not await run_in_threadpool(refresh_stream, tenant, slot, settings):
+                        yield _sse(error_body(429, f"{lapsed_stream_message(settings)}; job {job_id} goes on: "
+                                              f"GET /v1/jobs/{job_id} has its answer when it ends",
+                                              code="rate_limit_exceeded", type="rate_limit_error"))
+                        yield _sse("[DONE]")
+                        return
+                yield event
     finally:
         close_stream(tenant, slot, settings)  # (a slot not released expires by itself)
 
@@ -229,7 +247,7 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 
 async def _stream(job_id: str, model: str, settings: Settings, key: str | None, *,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool) -> AsyncGenerator[str, None]:
     """Chunks: the assistant role first; then, while the job runs, an empty-content chunk whose
     ``conductor`` field names each job or step status change; the answer; ``finish_reason`` (``stop``;
     ``length`` or ``content_filter`` when the answering step was cut or withheld); the

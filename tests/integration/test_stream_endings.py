@@ -1,0 +1,115 @@
+"""How a chat completion stream and a job event stream end when something fails under them while they
+are open. The API runs in-process (``TestClient`` is the HTTP client, the official ``openai`` SDK's for
+chat) so a stream's timing constants can be shortened and a failure staged at the right moment;
+Postgres, Redis and the workers are real."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from conductor.quotas import STREAMS_KEY
+from conductor.service.app import create_app
+from conductor.service.routes import jobs as jobs_route
+from conductor.service.routes import openai_chat
+from conductor.settings import get_settings
+from tests.integration.conftest import new_key
+from tests.integration.harness import Proc, wait_terminal
+
+FAR_FUTURE_US = 2**52  # a slot expiry (microseconds) no test outlives
+
+
+@pytest.fixture
+def one_stream_each() -> Iterator[None]:
+    """Each tenant may hold one open stream (``CONDUCTOR_TENANT_MAX_STREAMS``)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CONDUCTOR_TENANT_MAX_STREAMS", "1")
+        get_settings.cache_clear()
+        yield
+    get_settings.cache_clear()
+
+
+@pytest.fixture
+def http(workers: list[Proc]) -> Iterator[TestClient]:
+    with TestClient(create_app(), raise_server_exceptions=False) as client:
+        yield client
+
+
+def _sdk(http: TestClient, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http, max_retries=0)
+
+
+def _events(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    kind = ""
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            yield kind, json.loads(line.removeprefix("data: "))
+
+
+def _lapse_and_give_away(tenant: str) -> None:
+    """The tenant's one open stream stalled past ``STREAM_TTL_S`` (its slot's expiry passed) and another
+    stream, say on another API process, took the place its slot left."""
+    slots = redis.Redis.from_url(get_settings().broker_url)
+    (slot,) = slots.zrange(STREAMS_KEY + tenant, 0, -1)
+    slots.zadd(STREAMS_KEY + tenant, {slot: 0, "another-stream": FAR_FUTURE_US})
+
+
+def _open_slots(tenant: str) -> list[bytes]:
+    """The tenant's slots, then forgets them (the test is over)."""
+    slots = redis.Redis.from_url(get_settings().broker_url)
+    held = list(slots.zrange(STREAMS_KEY + tenant, 0, -1))
+    slots.delete(STREAMS_KEY + tenant)
+    return held
+
+
+def test_a_chat_stream_whose_slot_lapsed_ends_rather_than_go_over_the_limit(
+    http: TestClient, one_stream_each: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(openai_chat, "HEARTBEAT_S", 0.0)  # the slot is refreshed at every event
+    tenant = "lapsed-chat-stream"
+    key = new_key(tenant)
+    http.headers["Authorization"] = f"Bearer {key}"
+    stream = _sdk(http, key).chat.completions.create(model="conductor/slow", stream=True,
+                                                     messages=[{"role": "user", "content": "z"}])
+    job_id = stream.response.headers["conductor-job-id"]
+    chunks = iter(stream)
+    assert next(chunks).choices[0].delta.role == "assistant"
+    _lapse_and_give_away(tenant)
+    answered = []
+    with pytest.raises(openai.APIError) as ended:
+        for chunk in chunks:
+            answered += [c.delta.content for c in chunk.choices if c.delta.content]
+    assert ended.value.code == "rate_limit_exceeded" and answered == []
+    assert "slot lapsed" in ended.value.message and f"GET /v1/jobs/{job_id}" in ended.value.message
+    assert _open_slots(tenant) == [b"another-stream"]  # the limit held; the stream's slot is gone
+    assert wait_terminal(http, job_id)["status"] == "succeeded"  # the job went on without its stream
+
+
+def test_an_event_stream_whose_slot_lapsed_ends_rather_than_go_over_the_limit(
+    http: TestClient, one_stream_each: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(jobs_route, "EVENTS_HEARTBEAT_S", 0.0)  # the slot is refreshed at every poll
+    tenant = "lapsed-event-stream"
+    http.headers["Authorization"] = f"Bearer {new_key(tenant)}"
+    workflow = {"model_ids": ["slow", "slow"], "subtasks": ["a", "b"], "access_lists": [[], [0]]}
+    job_id = http.post("/v1/jobs", json={"task": "t", "workflow": workflow}).json()["id"]
+    with http.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        assert stream.status_code == 200
+        events = _events(stream.iter_lines())
+        next(events)
+        _lapse_and_give_away(tenant)
+        seen = list(events)
+    kind, error = seen[-1]
+    assert kind == "error" and error["type"] == "too_many_streams", seen
+    assert "slot lapsed" in error["message"] and job_id in error["message"]
+    assert not any(k == "job" and e["status"] == "succeeded" for k, e in seen)  # it ended before the job did
+    assert _open_slots(tenant) == [b"another-stream"]
+    assert wait_terminal(http, job_id)["status"] == "succeeded"
