@@ -6,19 +6,27 @@ Postgres, Redis and the workers are real."""
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import openai
 import pytest
 import redis
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
+from sqlalchemy.engine import make_url
 
+from conductor.migrations.migrate import upgrade
 from conductor.quotas import STREAMS_KEY
+from conductor.service import stream_polls
 from conductor.service.app import create_app
 from conductor.service.routes import jobs as jobs_route
 from conductor.service.routes import openai_chat
 from conductor.settings import get_settings
+from conductor.store.db import get_engine
 from tests.integration.conftest import new_key
 from tests.integration.harness import Proc, wait_terminal
 
@@ -113,3 +121,108 @@ def test_an_event_stream_whose_slot_lapsed_ends_rather_than_go_over_the_limit(
     assert not any(k == "job" and e["status"] == "succeeded" for k, e in seen)  # it ended before the job did
     assert _open_slots(tenant) == [b"another-stream"]
     assert wait_terminal(http, job_id)["status"] == "succeeded"
+
+
+@pytest.fixture(scope="module")
+def scratch_database() -> Iterator[str]:
+    """A database of the module's own (the test database's name + ``_outage``), migrated: it can be taken
+    away from the app mid-stream without disturbing anything else."""
+    url = make_url(get_settings().database_url)
+    name = f"{url.database}_outage"
+    admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    scratch = url.set(database=name).render_as_string(hide_password=False)
+    upgrade(scratch)
+    try:
+        yield scratch
+    finally:
+        get_engine(scratch).dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def on_scratch(scratch_database: str) -> Iterator[TestClient]:
+    """The API in-process on the scratch database (no worker runs its jobs: they stay queued)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CONDUCTOR_DATABASE_URL", scratch_database)
+        get_settings.cache_clear()
+        with TestClient(create_app(), raise_server_exceptions=False) as client:
+            yield client
+    get_settings.cache_clear()
+
+
+@contextmanager
+def database_away(url: str) -> Iterator[None]:
+    """The database refuses connections and those open are cut: what the app meets when Postgres goes down."""
+    name = make_url(url).database
+    admin = sa.create_engine(make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+            conn.execute(sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
+                         {"n": name})
+        yield
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        admin.dispose()
+
+
+def test_a_chat_stream_whose_database_stays_away_ends_with_an_error_naming_its_job(
+    on_scratch: TestClient, scratch_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the non-stream answer's 503: ``job_wait_failed``, naming the job, then ``[DONE]`` (the SDK
+    raises ``APIError`` with the job's id rather than ``APIConnectionError``)."""
+    monkeypatch.setattr(stream_polls, "DATABASE_PATIENCE_S", 1.0)
+    stream = _sdk(on_scratch, new_key("chat-database-away")).chat.completions.create(
+        model="conductor", stream=True, messages=[{"role": "user", "content": "What is 2+2?"}])
+    job_id = stream.response.headers["conductor-job-id"]
+    chunks = iter(stream)
+    assert next(chunks).choices[0].delta.role == "assistant"
+    with database_away(scratch_database), pytest.raises(openai.APIError) as ended:
+        list(chunks)
+    assert ended.value.code == "job_wait_failed", ended.value
+    assert f"job {job_id} " in ended.value.message and f"GET /v1/jobs/{job_id}" in ended.value.message
+    assert "OperationalError" in ended.value.message
+
+
+def test_an_event_stream_whose_database_stays_away_ends_with_an_error_event(
+    on_scratch: TestClient, scratch_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream_polls, "DATABASE_PATIENCE_S", 1.0)
+    on_scratch.headers["Authorization"] = f"Bearer {new_key('events-database-away')}"
+    job_id = on_scratch.post("/v1/jobs", json={"task": "t"}).json()["id"]
+    with on_scratch.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        assert stream.status_code == 200
+        events = _events(stream.iter_lines())
+        assert next(events) == ("job", {"id": job_id, "status": "queued", "answer": None, "error": None})
+        with database_away(scratch_database):
+            seen = list(events)
+    assert [kind for kind, _ in seen] == ["error"], seen
+    assert seen[0][1]["type"] == "job_read_failed" and f"GET /v1/jobs/{job_id}" in seen[0][1]["message"]
+
+
+def test_an_event_stream_rides_out_a_short_outage(
+    on_scratch: TestClient, scratch_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A poll that meets the database away is tried again for a while (``DATABASE_PATIENCE_S``): a
+    restart within that goes unnoticed by the client, which then sees the job's next change."""
+    caplog.set_level(logging.WARNING, logger=stream_polls.__name__)
+    on_scratch.headers["Authorization"] = f"Bearer {new_key('events-database-back')}"
+    job_id = on_scratch.post("/v1/jobs", json={"task": "t"}).json()["id"]
+    with on_scratch.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        events = _events(stream.iter_lines())
+        assert next(events)[1]["status"] == "queued"
+        with database_away(scratch_database):
+            for _ in range(400):  # until a poll has met the outage (a bound, not a deadline)
+                if any("database away" in r.getMessage() for r in caplog.records):
+                    break
+                threading.Event().wait(0.025)
+        with get_engine(scratch_database).begin() as conn:
+            conn.execute(sa.text("UPDATE job SET status = 'running' WHERE id = :id"), {"id": job_id})
+        assert next(events) == ("job", {"id": job_id, "status": "running", "answer": None, "error": None})
+    assert any("database away" in r.getMessage() for r in caplog.records)

@@ -31,6 +31,7 @@ from conductor.service.schemas import (
     StepEvent,
     StepList,
 )
+from conductor.service.stream_polls import failure_reason, poll
 from conductor.service.views import (
     MAX_TREE_DEPTH,
     job_event,
@@ -281,7 +282,12 @@ async def _events(job_id: str, settings: Settings, *, tenant: str, slot: str, ke
     seen: dict[str, str] = {}
     started = last_sent = last_held = time.monotonic()
     while time.monotonic() - started < EVENTS_MAX_S:
-        snapshot = await run_in_threadpool(_snapshot, job_id, settings, key)
+        try:
+            snapshot = await poll(lambda: _snapshot(job_id, settings, key), job_id=job_id)
+        except Exception as exc:  # the database stayed away (or a bug): an error event, not a dropped stream
+            yield _error_event("job_read_failed", f"the state of job {job_id} could not be read "
+                               f"({failure_reason(job_id, exc)}); it goes on: GET /v1/jobs/{job_id} has it")
+            return
         if snapshot is None:
             yield f"event: error\ndata: {KEY_REVOKED}\n\n"
             return

@@ -44,6 +44,7 @@ from conductor.quotas import (
 from conductor.service.deps import SettingsDep, TenantDep, bearer_key, resolve_tenant
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
 from conductor.service.problems import http_status
+from conductor.service.stream_polls import failure_reason, poll
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
@@ -139,14 +140,18 @@ async def _answer(body: ChatCompletionRequest, response: Response, settings: Set
                           headers=headers) from exc
     except Exception as exc:  # a database outage while waiting (else 503 with Retry-After, which the SDK retries)
         log.warning("chat completion %s: its wait failed: %s", job_id, type(exc).__name__)
-        raise OpenAIError(503, f"job {job_id} was submitted but its end could not be read ({type(exc).__name__}); "
-                          f"it goes on: GET /v1/jobs/{job_id} has its answer when it ends", code="job_wait_failed",
+        raise OpenAIError(503, _wait_failed(job_id, type(exc).__name__), code="job_wait_failed",
                           headers=headers) from exc
     if job is None or job.status != JobStatus.SUCCEEDED:
         status, message, code = _not_answered(job_id, job, settings)
         raise OpenAIError(status, message, code=code, headers=headers)
     response.headers[JOB_HEADER] = job_id
     return completion(job, body.model, reason)
+
+
+def _wait_failed(job_id: str, reason: str) -> str:
+    return (f"job {job_id} was submitted but its end could not be read ({reason}); it goes on: "
+            f"GET /v1/jobs/{job_id} has its answer when it ends")
 
 
 def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str:
@@ -252,7 +257,8 @@ async def _stream(job_id: str, model: str, settings: Settings, key: str | None, 
     ``conductor`` field names each job or step status change; the answer; ``finish_reason`` (``stop``;
     ``length`` or ``content_filter`` when the answering step was cut or withheld); the
     usage (with ``stream_options.include_usage``); ``[DONE]``. A job that fails or outlasts the wait
-    ends the stream with an OpenAI error event instead of the answer."""
+    ends the stream with an OpenAI error event instead of the answer; so does a revoked key, and the
+    database staying away (``job_wait_failed``, as the non-stream answer's 503)."""
     created = int(time.time())
 
     def chunk(delta: Delta, job: Job, *, step: dict[str, Any] | None = None,
@@ -268,11 +274,11 @@ async def _stream(job_id: str, model: str, settings: Settings, key: str | None, 
     seen: dict[str, str] = {}
     last_sent = time.monotonic()
     try:  # every poll looks the key up: revoked, the stream ends with that error
-        job, steps = await run_in_threadpool(_load, job_id, settings, key)
+        job, steps = await poll(lambda: _load(job_id, settings, key), job_id=job_id)
         yield chunk(Delta(role="assistant", content=""), job)
         seen["job"] = job.status
         while True:
-            job, steps = await run_in_threadpool(_load, job_id, settings, key)
+            job, steps = await poll(lambda: _load(job_id, settings, key), job_id=job_id)
             for st in steps:
                 name = f"step:{st['index']}"
                 if seen.get(name) != st["status"]:
@@ -291,13 +297,19 @@ async def _stream(job_id: str, model: str, settings: Settings, key: str | None, 
                 last_sent = time.monotonic()
                 yield ": keep-alive\n\n"
             await asyncio.sleep(STREAM_POLL_S)
+        reason = None
+        if job.status == JobStatus.SUCCEEDED:  # read before the answer is sent: a failure ends the stream cleanly
+            reason = await poll(lambda: _answer_finish_reason(job_id, settings.database_url), job_id=job_id)
     except KeyRevoked as exc:
         yield _sse(error_body(401, str(exc), code="invalid_api_key"))
         yield _sse("[DONE]")
         return
+    except Exception as exc:  # the database stayed away (or a bug): an error naming the job, not a dropped stream
+        yield _sse(error_body(503, _wait_failed(job_id, failure_reason(job_id, exc)), code="job_wait_failed"))
+        yield _sse("[DONE]")
+        return
     if job.status == JobStatus.SUCCEEDED:
         yield chunk(Delta(content=job.answer or ""), job)
-        reason = await run_in_threadpool(_answer_finish_reason, job_id, settings.database_url)
         yield chunk(Delta(), job, finish=finish_reason(reason))
         if include_usage:
             final = ChatCompletionChunk(id=job_id, created=created, model=model, choices=[], usage=usage(job),
