@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,11 +72,12 @@ def _lapse_and_give_away(tenant: str) -> None:
     slots.zadd(STREAMS_KEY + tenant, {slot: 0, "another-stream": FAR_FUTURE_US})
 
 
-def _open_slots(tenant: str) -> list[bytes]:
-    """The tenant's slots, then forgets them (the test is over)."""
+def _open_slots(tenant: str, *, forget: bool = True) -> list[bytes]:
+    """The tenant's slots; ``forget``: then deletes them (the test is over)."""
     slots = redis.Redis.from_url(get_settings().broker_url)
     held = list(slots.zrange(STREAMS_KEY + tenant, 0, -1))
-    slots.delete(STREAMS_KEY + tenant)
+    if forget:
+        slots.delete(STREAMS_KEY + tenant)
     return held
 
 
@@ -226,3 +229,144 @@ def test_an_event_stream_rides_out_a_short_outage(
             conn.execute(sa.text("UPDATE job SET status = 'running' WHERE id = :id"), {"id": job_id})
         assert next(events) == ("job", {"id": job_id, "status": "running", "answer": None, "error": None})
     assert any("database away" in r.getMessage() for r in caplog.records)
+
+
+class StallingRelay:
+    """A TCP relay to the test Redis that can stop passing requests on (``stall``): to the app, Redis
+    stops answering, as when it hangs or the network drops its packets, its connections staying open."""
+
+    def __init__(self, url: str):
+        target = make_url(url)
+        self.target = (target.host or "127.0.0.1", target.port or 6379)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/{target.database or 0}"
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.held = threading.Event()
+        """Set when a request reached the relay while it was stalled."""
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stall(self) -> None:
+        self.flowing.clear()
+
+    def resume(self) -> None:
+        self.flowing.set()
+
+    def close(self) -> None:
+        self.resume()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._relay, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._relay, args=(server, client, False), daemon=True).start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket, requests: bool) -> None:
+        try:
+            while True:
+                if requests:
+                    select.select([source], [], [])
+                    if not self.flowing.is_set():
+                        self.held.set()
+                        self.flowing.wait()
+                data = source.recv(65536)
+                if not data:
+                    return
+                sink.sendall(data)
+        except OSError:
+            return
+        finally:
+            for end in (source, sink):
+                end.close()
+
+
+@pytest.fixture
+def relay() -> Iterator[StallingRelay]:
+    relay = StallingRelay(get_settings().broker_url)
+    yield relay
+    relay.close()
+
+
+@pytest.fixture
+def http_via_relay(relay: StallingRelay, workers: list[Proc]) -> Iterator[TestClient]:
+    """The API in-process, its Redis (the stream slots') reached through ``relay``."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CONDUCTOR_BROKER_URL", relay.url)
+        get_settings.cache_clear()
+        with TestClient(create_app(), raise_server_exceptions=False) as client:
+            yield client
+    get_settings.cache_clear()
+
+
+def _chat_stream(http: TestClient) -> Callable[[], None]:
+    """Opens a chat completion stream and reads its first chunk; returns what reads the rest."""
+    chunks = iter(_sdk(http, new_key("stream-end-chat")).chat.completions.create(
+        model="conductor", stream=True, messages=[{"role": "user", "content": "What is 2+2?"}]))
+    assert next(chunks).choices[0].delta.role == "assistant"
+
+    def rest() -> None:
+        assert list(chunks)[-1].choices[0].finish_reason == "stop"
+
+    return rest
+
+
+def _event_stream(http: TestClient) -> Callable[[], None]:
+    http.headers["Authorization"] = f"Bearer {new_key('stream-end-events')}"
+    job_id = http.post("/v1/jobs", json={"task": "t"}).json()["id"]
+    stream = http.send(http.build_request("GET", f"/v1/jobs/{job_id}/events"), stream=True)
+    events = _events(stream.iter_lines())
+    next(events)
+
+    def rest() -> None:
+        list(events)
+        stream.close()
+
+    return rest
+
+
+@pytest.mark.parametrize("open_stream", [_chat_stream, _event_stream], ids=["chat", "events"])
+def test_a_stream_ending_while_redis_does_not_answer_holds_up_no_other_request(
+    open_stream: Callable[[TestClient], Callable[[], None]], http_via_relay: TestClient, relay: StallingRelay,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An ending stream gives its slot back from a worker thread: with Redis not answering that takes
+    its timeouts (then gives up, logged), and meanwhile the process serves other requests. On the event
+    loop, as before, every request of the process waited for it."""
+    caplog.set_level(logging.WARNING, logger="conductor.quotas")
+    read_the_rest = open_stream(http_via_relay)
+    relay.stall()
+    failed: list[BaseException] = []
+
+    def read() -> None:  # returns once the slot's release has
+        try:
+            read_the_rest()
+        except BaseException as exc:
+            failed.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert relay.held.wait(60)  # the stream ended: its release waits for Redis
+    assert http_via_relay.get("/healthz").status_code == 200
+    assert not [r for r in caplog.records if "not released" in r.getMessage()]  # it was served meanwhile
+    relay.resume()
+    reader.join(60)
+    assert not reader.is_alive() and failed == []
+
+
+def test_a_stream_whose_client_leaves_gives_its_slot_back(on_scratch: TestClient) -> None:
+    """The client leaving cancels the stream while it waits between polls (its job, queued on the scratch
+    database, does not change); the slot's release, on a worker thread, is shielded from that
+    cancellation (unshielded, it was cancelled too, and the slot held a place until it expired)."""
+    tenant = "stream-client-left"
+    on_scratch.headers["Authorization"] = f"Bearer {new_key(tenant)}"
+    job_id = on_scratch.post("/v1/jobs", json={"task": "t"}).json()["id"]
+    with on_scratch.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        events = _events(stream.iter_lines())
+        next(events)
+        assert len(_open_slots(tenant, forget=False)) == 1
+    assert _open_slots(tenant) == []  # left before the job ended: released all the same

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
 from conductor.engine import cancel_job
-from conductor.quotas import admission, close_stream, lapsed_stream_message, open_stream, refresh_stream
+from conductor.quotas import admission, lapsed_stream_message, open_stream, refresh_stream
 from conductor.replay import ReplayRequest, create_replay
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep, bearer_key, job_or_404, resolve_tenant
 from conductor.service.problems import Problem, problems
@@ -31,7 +31,7 @@ from conductor.service.schemas import (
     StepEvent,
     StepList,
 )
-from conductor.service.stream_polls import failure_reason, poll
+from conductor.service.stream_polls import failure_reason, poll, release_slot
 from conductor.service.views import (
     MAX_TREE_DEPTH,
     job_event,
@@ -275,7 +275,7 @@ async def _event_stream(
         async for event in _events(job_id, settings, tenant=tenant, slot=slot, key=key):
             yield event
     finally:
-        close_stream(tenant, slot, settings)  # (a slot not released expires by itself)
+        await release_slot(tenant, slot, settings)  # (a slot not released expires by itself)
 
 
 async def _events(job_id: str, settings: Settings, *, tenant: str, slot: str, key: str | None) -> AsyncIterator[str]:

@@ -36,7 +36,6 @@ from conductor.openai_wire import (
 from conductor.quotas import (
     QuotaExceeded,
     admission,
-    close_stream,
     lapsed_stream_message,
     open_stream,
     refresh_stream,
@@ -44,7 +43,7 @@ from conductor.quotas import (
 from conductor.service.deps import SettingsDep, TenantDep, bearer_key, resolve_tenant
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
 from conductor.service.problems import http_status
-from conductor.service.stream_polls import failure_reason, poll
+from conductor.service.stream_polls import failure_reason, poll, release_slot
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
@@ -115,7 +114,7 @@ async def chat_completions(
     try:
         job_id = await run_in_threadpool(_submit, body, settings, tenant)
     except BaseException:
-        await run_in_threadpool(close_stream, tenant, slot, settings)
+        await release_slot(tenant, slot, settings)
         raise
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return StreamingResponse(
@@ -244,7 +243,7 @@ async def _held(events: AsyncGenerator[str, None], job_id: str, tenant: str, slo
                         return
                 yield event
     finally:
-        close_stream(tenant, slot, settings)  # (a slot not released expires by itself)
+        await release_slot(tenant, slot, settings)  # (a slot not released expires by itself)
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
