@@ -1,6 +1,12 @@
 """What the two progress streams share (chat completion chunks, ``routes/openai_chat.py``; job events,
 ``routes/jobs.py``): each polls its job's state from a worker thread, with a short session per poll.
 
+A poll reads only what a stream sends while the job runs (statuses: ``store.job_progress``), and the
+answer once, when the job has ended; it comes sooner after a change and less often while nothing
+changes (``Pace``), and looks the stream's API key up again every ``KEY_CHECK_S``, not at each poll: a
+thousand open streams on jobs that run for minutes cost the database a few hundred small reads a
+second, not thousands of whole job rows.
+
 Each holds one of its tenant's stream slots (``quotas.open_stream``) and gives it back when it ends,
 from a worker thread and shielded from the cancellation of a client that left (``release_slot``).
 
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -32,6 +40,33 @@ DATABASE_PATIENCE_S = 10.0
 """A poll meeting the database away is tried again (after 0.5 s, doubling) while its next try would
 start within this long of its first; then the failure is raised and the stream ends."""
 FIRST_RETRY_S = 0.5
+POLL_FIRST_S = 0.25
+POLL_LONGEST_S = 2.0
+KEY_CHECK_S = 5.0
+"""A stream whose key was revoked ends within about this long (and one poll)."""
+
+
+class Pace:
+    """When a stream polls next, and whether that poll looks its API key up again."""
+
+    def __init__(self) -> None:
+        self.wait = POLL_FIRST_S
+        self._key_checked = -math.inf
+
+    def key_due(self) -> bool:
+        """True once every ``KEY_CHECK_S`` (the first time at once)."""
+        now = time.monotonic()
+        if now - self._key_checked < KEY_CHECK_S:
+            return False
+        self._key_checked = now
+        return True
+
+    def after(self, changed: bool) -> float:
+        """The wait before the next poll: ``POLL_FIRST_S`` after a poll that found a change, else twice
+        the last wait, up to ``POLL_LONGEST_S`` (a change is sent at most that late); each shortened by up
+        to a quarter at random, so that streams opened together do not poll together."""
+        self.wait = POLL_FIRST_S if changed else min(self.wait * 2, POLL_LONGEST_S)
+        return self.wait * random.uniform(0.75, 1.0)
 
 
 async def poll(read: Callable[[], T], *, job_id: str) -> T:

@@ -213,7 +213,7 @@ def job_event(job: Job) -> JobEvent:
     )
 
 
-def step_event(step: Step) -> StepEvent:
+def step_event(step: Step | store.StepProgress) -> StepEvent:
     return StepEvent(
         index=step.index,
         agent=step.agent,

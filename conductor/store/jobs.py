@@ -1297,12 +1297,52 @@ def note_step_resent(session: Session, *, step_id: int, resends: int, now: datet
     return int(getattr(result, "rowcount", 0) or 0) == 1
 
 
-def step_states(session: Session, *, job_id: str) -> list[dict[str, Any]]:
-    """``{index, agent, status}`` of each of the job's steps, in order, reading only those columns (a chat
-    stream polls it; the steps' messages and outputs can be large)."""
-    stmt = (sa.select(col(Step.index), col(Step.agent), col(Step.status))
-            .where(col(Step.job_id) == job_id).order_by(col(Step.index)))
-    return [{"index": index, "agent": agent, "status": status} for index, agent, status in session.execute(stmt)]
+@dataclass(frozen=True, slots=True)
+class StepProgress:
+    index: int
+    agent: str
+    status: str
+    attempts: int
+    latency_ms: int | None
+    child_job_id: str | None
+
+
+def job_progress(session: Session, *, job_id: str, steps: bool = True) -> tuple[str, list[StepProgress]] | None:
+    """The job's status and (``steps``) its steps' progress, in order; None for no such job. One statement
+    reading only those columns: every open stream polls it (a job's task, context, pool and planner
+    output, and its steps' messages and outputs, can each be long)."""
+    rows = session.connection().execute(_progress_stmt(steps), {"p_job_id": job_id}).all()
+    if not rows:
+        return None
+    return str(rows[0][0]), [StepProgress(*row[1:]) for row in rows if steps and row[1] is not None]
+
+
+@cache
+def _progress_stmt(steps: bool) -> sa.Select[Any]:
+    j, s = JOB.c, STEP.c
+    job_id = sa.bindparam("p_job_id", type_=sa.String())
+    if not steps:
+        return sa.select(j.status).where(j.id == job_id)
+    return (sa.select(j.status, s.index, s.agent, s.status, s.attempts, s.latency_ms, s.child_job_id)
+            .select_from(JOB.outerjoin(STEP, s.job_id == j.id)).where(j.id == job_id).order_by(s.index))
+
+
+OUTCOME_FIELDS = ("id", "status", "created_at", "finished_at", "answer", "error_type", "error_message",
+                  "input_tokens", "output_tokens", "cost_usd", "calls")
+"""What a stream or a waiting chat completion tells of a job once it has ended."""
+
+
+def job_outcome(session: Session, *, job_id: str) -> Job | None:
+    """The job with only ``OUTCOME_FIELDS`` read (``model_construct``: for reading, never to be added to a
+    session); None for no such job."""
+    row = session.connection().execute(_outcome_stmt(), {"p_job_id": job_id}).first()
+    return None if row is None else Job.model_construct(**dict(zip(OUTCOME_FIELDS, row, strict=True)))
+
+
+@cache
+def _outcome_stmt() -> sa.Select[Any]:
+    return sa.select(*[JOB.c[name] for name in OUTCOME_FIELDS]).where(
+        JOB.c.id == sa.bindparam("p_job_id", type_=sa.String()))
 
 
 CHILD_SUCCEEDED = "child_succeeded"

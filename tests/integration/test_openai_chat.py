@@ -237,7 +237,7 @@ def _ended(job_id: str) -> Any:
 
 
 def test_a_revoked_key_ends_the_wait_and_the_stream(api: str, workers: Any) -> None:
-    """The key is looked up at every poll, as a job event stream does: revoked, a waiting chat completion
+    """The key is looked up again every few seconds, as a job event stream does: revoked, a waiting chat completion
     answers 401 and a stream ends with an error event, each naming the job, which goes on to its end."""
 
     def revoke_once_submitted(tenant: str, key: str) -> None:

@@ -1,7 +1,7 @@
 """How a chat completion stream and a job event stream end when something fails under them while they
-are open. The API runs in-process (``TestClient`` is the HTTP client, the official ``openai`` SDK's for
-chat) so a stream's timing constants can be shortened and a failure staged at the right moment;
-Postgres, Redis and the workers are real."""
+are open, and what their polls read meanwhile. The API runs in-process (``TestClient`` is the HTTP
+client, the official ``openai`` SDK's for chat) so a stream's timing constants can be shortened and a
+failure staged at the right moment; Postgres, Redis and the workers are real."""
 
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ from conductor.service.app import create_app
 from conductor.service.routes import jobs as jobs_route
 from conductor.service.routes import openai_chat
 from conductor.settings import get_settings
-from conductor.store.db import get_engine
+from conductor.store.db import get_engine, session_scope
+from conductor.store.keys import revoke_key
 from tests.integration.conftest import new_key
-from tests.integration.harness import Proc, wait_terminal
+from tests.integration.harness import Proc, sent_statements, wait_terminal
 
 FAR_FUTURE_US = 2**52  # a slot expiry (microseconds) no test outlives
 
@@ -370,3 +371,71 @@ def test_a_stream_whose_client_leaves_gives_its_slot_back(on_scratch: TestClient
         next(events)
         assert len(_open_slots(tenant, forget=False)) == 1
     assert _open_slots(tenant) == []  # left before the job ended: released all the same
+
+
+def test_a_revoked_key_ends_streams_whose_jobs_are_still_running(
+    on_scratch: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream looks its key up again every ``KEY_CHECK_S`` (1 s here), not at each poll: revoked, each
+    stream ends with that error though its job (queued on the scratch database, which no worker serves)
+    never ends. The stream's own limits, shortened, only keep a broken stream from hanging."""
+    monkeypatch.setattr(stream_polls, "KEY_CHECK_S", 1.0)
+    monkeypatch.setattr(jobs_route, "EVENTS_MAX_S", 60.0)
+    monkeypatch.setenv("CONDUCTOR_CHAT_MAX_WAIT_S", "60")
+    get_settings.cache_clear()
+    key = new_key("revoked-while-queued")
+    chunks = iter(_sdk(on_scratch, key).chat.completions.create(
+        model="conductor", stream=True, messages=[{"role": "user", "content": "What is 2+2?"}]))
+    assert next(chunks).choices[0].delta.role == "assistant"
+    on_scratch.headers["Authorization"] = f"Bearer {key}"
+    job_id = on_scratch.post("/v1/jobs", json={"task": "t"}).json()["id"]
+    with on_scratch.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        events = _events(stream.iter_lines())
+        assert next(events)[1]["status"] == "queued"
+        with session_scope() as s:
+            assert revoke_key(s, prefix=key[:10]) == 1
+        with pytest.raises(openai.APIError) as ended:
+            list(chunks)
+        assert ended.value.code == "invalid_api_key"
+        assert list(events) == [("error", {"type": "key_revoked", "message": "the API key of this stream was revoked"})]
+
+
+LONG_COLUMNS = ("job.task", "job.context", "job.pool_config", "job.planner_raw", "job.request_workflow",
+                "job.metadata", "step.instruction", "step.messages", "step.output")
+
+
+def _check_polls(statements: list[str]) -> None:
+    """While the job ran the stream's polls read its statuses and none of its long texts (the answer was
+    read once it had ended); the key was looked up again every few seconds, not at each poll."""
+    reads = [st for st in statements if st.lstrip().upper().startswith("SELECT")]
+    assert [(column, st) for st in reads for column in LONG_COLUMNS if column in st] == []
+    polls = [st for st in reads if "FROM job" in st]
+    key_lookups = [st for st in reads if "FROM api_key" in st]
+    assert len(polls) >= 3, reads  # a slow planner or slow steps: several polls
+    assert len(key_lookups) < len(polls)
+
+
+def test_a_chat_stream_polls_statuses_and_reads_the_answer_once(http: TestClient) -> None:
+    key = new_key("stream-polls-chat")
+    with sent_statements() as sent:
+        chunks = iter(_sdk(http, key).chat.completions.create(
+            model="conductor/slow", stream=True, messages=[{"role": "user", "content": "x" * 5000}]))
+        assert next(chunks).choices[0].delta.role == "assistant"
+        opened = len(sent)  # the key's lookup and the job's insert came before
+        rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in rest).startswith("[a]")
+    _check_polls(sent[opened:])
+
+
+def test_an_event_stream_polls_statuses_and_reads_the_answer_once(http: TestClient) -> None:
+    http.headers["Authorization"] = f"Bearer {new_key('stream-polls-events')}"
+    workflow = {"model_ids": ["slow", "slow"], "subtasks": ["a", "b"], "access_lists": [[], [0]]}
+    job_id = http.post("/v1/jobs", json={"task": "x" * 5000, "workflow": workflow}).json()["id"]
+    with sent_statements() as sent, http.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        events = _events(stream.iter_lines())
+        next(events)
+        opened = len(sent)  # the authorization and the job's lookup came before
+        seen = list(events)
+    assert seen[-1] == ("job", {"id": job_id, "status": "succeeded", "answer": "[slow] b", "error": None}), seen
+    _check_polls(sent[opened:])

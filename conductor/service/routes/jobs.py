@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from functools import partial
 from typing import Annotated
 from urllib.parse import urlencode
 
@@ -31,7 +32,7 @@ from conductor.service.schemas import (
     StepEvent,
     StepList,
 )
-from conductor.service.stream_polls import failure_reason, poll, release_slot
+from conductor.service.stream_polls import Pace, failure_reason, poll, release_slot
 from conductor.service.views import (
     MAX_TREE_DEPTH,
     job_event,
@@ -255,7 +256,6 @@ def cancel(job_id: str, session: SessionDep, tenant: TenantDep) -> JobRef:
     return job_ref(job)
 
 
-EVENTS_POLL_S = 0.25
 EVENTS_HEARTBEAT_S = 15.0
 EVENTS_MAX_S = 3600.0
 
@@ -280,10 +280,12 @@ async def _event_stream(
 
 async def _events(job_id: str, settings: Settings, *, tenant: str, slot: str, key: str | None) -> AsyncIterator[str]:
     seen: dict[str, str] = {}
+    pace = Pace()  # the key is looked up every KEY_CHECK_S (and before the end is told), not at each poll
     started = last_sent = last_held = time.monotonic()
     while time.monotonic() - started < EVENTS_MAX_S:
         try:
-            snapshot = await poll(lambda: _snapshot(job_id, settings, key), job_id=job_id)
+            snapshot = await poll(partial(_snapshot, job_id, settings, key, seen.get("job"), key_due=pace.key_due()),
+                                  job_id=job_id)
         except Exception as exc:  # the database stayed away (or a bug): an error event, not a dropped stream
             yield _error_event("job_read_failed", f"the state of job {job_id} could not be read "
                                f"({failure_reason(job_id, exc)}); it goes on: GET /v1/jobs/{job_id} has it")
@@ -291,18 +293,21 @@ async def _events(job_id: str, settings: Settings, *, tenant: str, slot: str, ke
         if snapshot is None:
             yield f"event: error\ndata: {KEY_REVOKED}\n\n"
             return
-        job, steps = snapshot
+        status, job, steps = snapshot
+        changed = False
         for st in steps:
             name = f"step:{st.index}"
             if seen.get(name) != st.status:
                 seen[name] = st.status
                 last_sent = time.monotonic()
+                changed = True
                 yield f"event: step\ndata: {st.model_dump_json()}\n\n"
-        if seen.get("job") != job.status:
+        if job is not None:
             seen["job"] = job.status
             last_sent = time.monotonic()
+            changed = True
             yield f"event: job\ndata: {job.model_dump_json()}\n\n"
-        if job.status in JobStatus.TERMINAL:
+        if status in JobStatus.TERMINAL:
             return
         if time.monotonic() - last_sent > EVENTS_HEARTBEAT_S:
             last_sent = time.monotonic()
@@ -312,15 +317,24 @@ async def _events(job_id: str, settings: Settings, *, tenant: str, slot: str, ke
             if not await run_in_threadpool(refresh_stream, tenant, slot, settings):
                 yield _error_event("too_many_streams", f"{lapsed_stream_message(settings)}; job {job_id} goes on")
                 return
-        await asyncio.sleep(EVENTS_POLL_S)
+        await asyncio.sleep(pace.after(changed))
 
 
-def _snapshot(job_id: str, settings: Settings, key: str | None) -> tuple[JobEvent, list[StepEvent]] | None:
-    """The job's and its steps' statuses; None once the stream's API key has been revoked."""
+def _snapshot(job_id: str, settings: Settings, key: str | None, known: str | None, *,
+              key_due: bool) -> tuple[str, JobEvent | None, list[StepEvent]] | None:
+    """The job's status, its ``job`` event when that status is not ``known`` (the last one sent), and its
+    steps' events, reading only the columns they need (the job's answer and error only when its status
+    changed). None when ``key`` has been revoked: looked up when ``key_due`` and before the end is told."""
     with Session(get_engine(settings.database_url)) as session:
-        if key is not None and tenant_for_key(session, key=key, pepper=settings.api_key_pepper) is None:
+        progress = store.job_progress(session, job_id=job_id)
+        assert progress is not None
+        status, steps = progress
+        if key is not None and (key_due or status in JobStatus.TERMINAL) and tenant_for_key(
+                session, key=key, pepper=settings.api_key_pepper) is None:
             return None
-        job = store.get_job(session, job_id=job_id)
-        assert job is not None
-        steps = store.get_steps(session, job_id=job_id, light=True)
-        return job_event(job), [step_event(st) for st in steps]
+        job = None
+        if status != known:
+            outcome = store.job_outcome(session, job_id=job_id)
+            assert outcome is not None
+            job = job_event(outcome)
+        return status, job, [step_event(st) for st in steps]

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Response
@@ -43,7 +44,7 @@ from conductor.quotas import (
 from conductor.service.deps import SettingsDep, TenantDep, bearer_key, resolve_tenant
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
 from conductor.service.problems import http_status
-from conductor.service.stream_polls import failure_reason, poll, release_slot
+from conductor.service.stream_polls import Pace, failure_reason, poll, release_slot
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
@@ -69,7 +70,6 @@ POLL_MAX_S = 1.0
 POLL_FRACTION = 0.1
 """A waiting request polls every ``POLL_FRACTION`` of the time it has waited (within the bounds), so it
 learns of the job's end at most ~10% late, and a long job costs a few queries a minute, not ten a second."""
-STREAM_POLL_S = 0.2
 HEARTBEAT_S = 15.0
 
 STREAM_RESPONSE = {
@@ -106,7 +106,7 @@ async def chat_completions(
     """Runs the conversation as a job (the last user message is the task, earlier turns its context) and
     answers with its result: model `conductor` plans with the pool's planner, `conductor/<planner>` with
     that one. Extension: `conductor` (the job id, status, cost; on stream chunks, the step that changed)."""
-    key = bearer_key(settings, authorization)  # looked up again at each poll: revoking it ends the wait
+    key = bearer_key(settings, authorization)  # looked up again every KEY_CHECK_S: revoking it ends the wait
     if not body.stream:
         return await _answer(body, response, settings, tenant, key)
     slot = uuid.uuid4().hex  # a stream takes one of the tenant's stream slots, as job event streams do
@@ -182,16 +182,24 @@ class KeyRevoked(Exception):
                          f"GET /v1/jobs/{job_id} with another key of the tenant has its answer when it ends")
 
 
-def _load(job_id: str, settings: Settings, key: str | None, *,
-          steps: bool = True) -> tuple[Job, list[dict[str, Any]]]:
-    """The job, and (``steps``) each step's index, agent and status: a stream's progress. ``KeyRevoked``
-    once ``key`` is no longer active (checked in the same session: one more indexed lookup)."""
+def _progress(job_id: str, settings: Settings, key: str | None, *, key_due: bool = True,
+              steps: bool = True) -> tuple[Job, list[dict[str, Any]]]:
+    """The job, and (``steps``) each step's index, agent and status: a stream's progress. Of a job still
+    running only its id and status are read; once it has ended, what the answer needs
+    (``store.job_outcome``). ``KeyRevoked`` when ``key`` is no longer active, looked up when ``key_due``
+    and always before the job's end is told."""
     with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
-        if key is not None and tenant_for_key(session, key=key, pepper=settings.api_key_pepper) is None:
+        progress = store.job_progress(session, job_id=job_id, steps=steps)
+        assert progress is not None
+        status, step_progress = progress
+        ended = status in JobStatus.TERMINAL
+        if key is not None and (key_due or ended) and tenant_for_key(
+                session, key=key, pepper=settings.api_key_pepper) is None:
             raise KeyRevoked(job_id)
-        job = store.get_job(session, job_id=job_id)
+        job = (store.job_outcome(session, job_id=job_id) if ended
+               else Job.model_construct(id=job_id, status=status, finished_at=None, cost_usd=0.0, calls=0))
         assert job is not None
-        return job, store.step_states(session, job_id=job_id) if steps else []
+        return job, [{"index": st.index, "agent": st.agent, "status": st.status} for st in step_progress]
 
 
 def _answer_finish_reason(job_id: str, database_url: str) -> str | None:
@@ -203,8 +211,10 @@ async def _wait_for_end(job_id: str, settings: Settings, key: str | None) -> Job
     """The ended job, or None once ``chat_max_wait_s`` has passed."""
     started = time.monotonic()
     deadline = started + settings.chat_max_wait_s
+    pace = Pace()
     while True:
-        job, _ = await run_in_threadpool(lambda: _load(job_id, settings, key, steps=False))
+        job, _ = await run_in_threadpool(partial(_progress, job_id, settings, key, key_due=pace.key_due(),
+                                                 steps=False))
         if job.status in JobStatus.TERMINAL:
             return job
         now = time.monotonic()
@@ -272,30 +282,35 @@ async def _stream(job_id: str, model: str, settings: Settings, key: str | None, 
     deadline = time.monotonic() + settings.chat_max_wait_s
     seen: dict[str, str] = {}
     last_sent = time.monotonic()
-    try:  # every poll looks the key up: revoked, the stream ends with that error
-        job, steps = await poll(lambda: _load(job_id, settings, key), job_id=job_id)
+    pace = Pace()
+    try:  # the key is looked up every KEY_CHECK_S and before the end is told: revoked, the stream ends with that error
+        job, steps = await poll(partial(_progress, job_id, settings, key, key_due=pace.key_due()), job_id=job_id)
         yield chunk(Delta(role="assistant", content=""), job)
         seen["job"] = job.status
         while True:
-            job, steps = await poll(lambda: _load(job_id, settings, key), job_id=job_id)
+            changed = False
             for st in steps:
                 name = f"step:{st['index']}"
                 if seen.get(name) != st["status"]:
                     seen[name] = st["status"]
                     last_sent = time.monotonic()
+                    changed = True
                     yield chunk(Delta(content=""), job, step=st)
             if job.status in JobStatus.TERMINAL:
                 break
             if seen["job"] != job.status:
                 seen["job"] = job.status
                 last_sent = time.monotonic()
+                changed = True
                 yield chunk(Delta(content=""), job)
             if time.monotonic() >= deadline:
                 break
             if time.monotonic() - last_sent > HEARTBEAT_S:
                 last_sent = time.monotonic()
                 yield ": keep-alive\n\n"
-            await asyncio.sleep(STREAM_POLL_S)
+            await asyncio.sleep(min(pace.after(changed), max(0.0, deadline - time.monotonic())))
+            job, steps = await poll(partial(_progress, job_id, settings, key, key_due=pace.key_due()),
+                                    job_id=job_id)
         reason = None
         if job.status == JobStatus.SUCCEEDED:  # read before the answer is sent: a failure ends the stream cleanly
             reason = await poll(lambda: _answer_finish_reason(job_id, settings.database_url), job_id=job_id)
