@@ -816,6 +816,7 @@ RECONCILE_PROBLEMS = {
     "orphans_failed_to_cancel": "some orphaned child jobs could not be cancelled",
     "batches_error": "the batches could not be reconciled",
     "batches_failed": "some batches could not be ended",
+    "metrics_rollup_error": "ended jobs could not be folded into the metrics rollup (scrapes read their rows)",
 }
 
 

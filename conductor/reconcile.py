@@ -59,8 +59,14 @@ the default 15 s interval, and further when passes were missed (``backfill_since
 ``ix_job_status_updated`` plus an anti-join, so it costs what this window holds, not a day of jobs."""
 WEBHOOK_BACKFILL_MAX_S = 24 * 3600.0
 """How far back the first pass of a process looks, and the most any pass does."""
+WEBHOOK_FULL_LOOK_EVERY_S = 3600.0
+"""How often a process's pass looks the whole ``WEBHOOK_BACKFILL_MAX_S`` back anyway: an end committed
+more than ``WEBHOOK_BACKFILL_S`` after the time it recorded (a worker whose clock is behind the
+reconciler's, a long transaction) falls behind every short look, and is found by the next full one."""
 _backfilled_at: datetime | None = None
 """When the last pass of this process that wrote every delivery it found owed had started."""
+_full_look_at: datetime | None = None
+"""When the last such pass that looked the whole day back had started."""
 MAX_BACKOFF_DOUBLINGS = 6
 METRICS_ROLLUP_BATCH = 1000
 """Jobs (and webhook deliveries) folded into ``metrics_rollup`` per transaction."""
@@ -121,10 +127,11 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
             continue
         resend.append((step.job_id, step.index))
         dispatch.agents[(step.job_id, step.index)] = step.agent
+    since = backfill_since(now)
     with session_scope() as s:
-        webhooks, backfilled = _webhooks_due(s, now=now, stale_s=stale_s)
+        webhooks, backfilled = _webhooks_due(s, now=now, stale_s=stale_s, since=since)
     if backfilled:  # committed: later passes look back from this one
-        _note_backfilled(now)
+        _note_backfilled(now, full=since <= now - timedelta(seconds=WEBHOOK_BACKFILL_MAX_S))
     dispatch.plan += [*never, *lost, *stuck]
     dispatch.webhooks += webhooks
     dispatch.steps += resend
@@ -216,12 +223,12 @@ def metrics_abandoned_s(settings: Settings) -> float:
     return MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s()
 
 
-def _webhooks_due(s: Session, *, now: datetime, stale_s: float) -> tuple[list[str], bool]:
+def _webhooks_due(s: Session, *, now: datetime, stale_s: float, since: datetime) -> tuple[list[str], bool]:
     """Webhook deliveries to send: ended jobs' deliveries never written (backfilled here), attempts due
     with no message sent (a lost send, or a backoff too long for a broker countdown), and messages sent
     but never consumed (re-sent with the same exponential backoff as steps). Also whether every owed
     delivery found was written (fewer than a pass's limit were owed)."""
-    owed = webhook_store.ended_jobs_without_delivery(s, since=backfill_since(now), limit=BACKFILL_LIMIT)
+    owed = webhook_store.ended_jobs_without_delivery(s, since=since, limit=BACKFILL_LIMIT)
     for job_id in owed:
         webhook_store.backfill_job_end(s, job_id=job_id)
     due_now = []
@@ -244,17 +251,21 @@ def backfill_since(now: datetime) -> datetime:
     process's first pass). So whatever kept passes from running (beat stopped, no ``maintenance``
     consumer) or from finishing their look (more owed than ``BACKFILL_LIMIT``) is looked through by the
     next pass, and the overlap takes in an end committed up to ten minutes after the time it recorded (a
-    long transaction, another host's clock)."""
+    long transaction, another host's clock); later than that, by the next whole day's look, which a
+    process takes every ``WEBHOOK_FULL_LOOK_EVERY_S``."""
     oldest = now - timedelta(seconds=WEBHOOK_BACKFILL_MAX_S)
-    if _backfilled_at is None:
+    if _backfilled_at is None or _full_look_at is None or not (
+            timedelta(0) <= now - _full_look_at < timedelta(seconds=WEBHOOK_FULL_LOOK_EVERY_S)):
         return oldest
     return max(oldest, min(_backfilled_at, now) - timedelta(seconds=WEBHOOK_BACKFILL_S))
 
 
-def _note_backfilled(at: datetime) -> None:
-    global _backfilled_at
+def _note_backfilled(at: datetime, *, full: bool) -> None:
+    global _backfilled_at, _full_look_at
     if _backfilled_at is None or at > _backfilled_at:  # (a slower pass that started earlier ends later)
         _backfilled_at = at
+    if full and (_full_look_at is None or at > _full_look_at):
+        _full_look_at = at
 
 
 def resend_due(step: store.OpenStep, *, now: datetime, stale_s: float) -> bool:

@@ -22,6 +22,7 @@ from sqlmodel import Session, col, select
 from conductor.errors import ErrorType
 from conductor.store.db import ONE_TRANSACTION
 from conductor.store.direct import Direct
+from conductor.store.metrics import add_late_usage
 from conductor.store.models import (
     IN_FLIGHT_SQL,
     QUEUED_SQL,
@@ -362,10 +363,14 @@ def add_lost_planner_usage(session: Session, *, job_id: str, claim: int, usage: 
     planned_here = sa.and_(j.c.plan_claims == claim,
                            sa.exists(sa.select(st.c.id).where(st.c.job_id == job_id)))
     stmt = (sa.update(j).where(j.c.id == job_id, sa.not_(planned_here)).values(values)
-            .returning(j.c.status, j.c.parent_job_id))
+            .returning(j.c.status, j.c.parent_job_id, j.c.tenant, j.c.planner, j.c.metrics_rolled_up_at))
     row = session.execute(stmt).first()
     if row is None:
         return LostUsage(added=False, carry_up=False)
+    if row[4] is not None:  # the job was folded into the metrics rollup already
+        add_late_usage(session, tenant=row[2], series="job", labels=(row[0], row[3]),
+                       input_tokens=usage["planner_input_tokens"], output_tokens=usage["planner_output_tokens"],
+                       cost_usd=usage["planner_cost_usd"])
     return LostUsage(added=True, carry_up=row[0] in JobStatus.TERMINAL and row[1] is not None)
 
 
@@ -645,17 +650,22 @@ def add_unrecorded_usage(
     job has already ended (a running job's totals are summed from its steps when it ends). True when
     the job had ended: a child job's parent then needs it too (``add_usage_to_parent``)."""
     usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "cost_usd": cost_usd}
-    session.execute(
+    step = session.execute(
         sa.update(Step)
         .where(col(Step.id) == step_id)
         .values({getattr(Step, k): getattr(Step, k) + v for k, v in usage.items()})
-    )
+        .returning(col(Step.agent), col(Step.status))
+    ).first()
     ended = session.execute(
         sa.update(Job)
         .where(col(Job.id) == job_id, col(Job.status).in_(list(JobStatus.TERMINAL)))
         .values({getattr(Job, k): getattr(Job, k) + v for k, v in usage.items()})  # the call is an attempt: counted
-    )
-    return _rowcount(ended) == 1
+        .returning(col(Job.tenant), col(Job.metrics_rolled_up_at))  # (waits for a fold holding the job row)
+    ).first()
+    if ended is not None and ended[1] is not None and step is not None:
+        add_late_usage(session, tenant=ended[0], series="step", labels=(step[0], step[1]), input_tokens=input_tokens,
+                       output_tokens=output_tokens, cost_usd=cost_usd)
+    return ended is not None
 
 
 USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd")

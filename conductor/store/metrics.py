@@ -53,8 +53,8 @@ CONDUCTOR_AGENT = "conductor"  # the reserved agent (conductor.workflow's consta
 ATTEMPT_OK = "ok"
 ENDED_DELIVERIES = (DeliveryStatus.DELIVERED, DeliveryStatus.FAILED, DeliveryStatus.DISABLED)
 
-__all__ = ["LATENCY_BUCKETS_S", "LatencyHistogram", "StoreAggregates", "read_aggregates", "roll_up_deliveries",
-           "roll_up_jobs", "scrape_statements", "settled_jobs"]
+__all__ = ["LATENCY_BUCKETS_S", "LatencyHistogram", "StoreAggregates", "add_late_usage", "read_aggregates",
+           "roll_up_deliveries", "roll_up_jobs", "scrape_statements", "settled_jobs"]
 
 
 @dataclass(frozen=True)
@@ -367,6 +367,17 @@ def _mark(session: Session, model: type[Job] | type[WebhookDelivery], ids: list[
     return list(marked.scalars())
 
 
+def add_late_usage(session: Session, *, tenant: str, series: str, labels: tuple[str, str],
+                   input_tokens: int, output_tokens: int, cost_usd: float) -> None:
+    """Usage written to a job already folded (a call that returned after the rollup took its job: a worker
+    that lost its lease, a planning re-driven past ``metrics_abandoned_s``) is added to the rollup too, in
+    the caller's transaction: the scrape no longer reads that job's rows. ``series`` is ``step`` (labels
+    agent, status) or ``job`` (status, planner: the planner's usage)."""
+    row = dict.fromkeys(ROLLUP_VALUES, 0) | {"input_tokens": int(input_tokens), "output_tokens": int(output_tokens),
+                                             "cost_usd": float(cost_usd)}
+    _upsert(session, [{"tenant": tenant, "series": series, "label_a": labels[0], "label_b": labels[1], **row}])
+
+
 def _fold(session: Session, scans: list[tuple[_Series, Any]]) -> None:
     """Adds the scans' rows to the rollup: one upsert per (tenant, series, labels), in key order, so two
     folds at once wait for each other's rows in the same order (no deadlock)."""
@@ -382,6 +393,10 @@ def _fold(session: Session, scans: list[tuple[_Series, Any]]) -> None:
     if not sums:
         return
     sums.sort(key=lambda r: (r["tenant"], r["series"], r["label_a"], r["label_b"]))
+    _upsert(session, sums)
+
+
+def _upsert(session: Session, sums: list[dict[str, Any]]) -> None:
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
     stmt = insert(METRICS_ROLLUP)
     stmt = stmt.on_conflict_do_update(

@@ -54,3 +54,17 @@ def test_a_bad_setting_is_one_line_naming_the_variable_not_a_traceback(argv: lis
     assert "CONDUCTOR_MAX_STEPS: Input should be less than or equal to 50" in lines[0]
     assert "CONDUCTOR_SECRETS_KEY: " in lines[0]
     assert "whsec-not-a-fernet-key" not in done.stderr
+
+
+def test_conductor_reconcile_fails_on_every_error_a_pass_reports() -> None:
+    """`conductor reconcile` exits 1 on the problems it knows: a failing metrics fold was not one of them
+    (it exited 0 while every scrape read the history's rows)."""
+    import re
+
+    import conductor.reconcile
+    from conductor.cli import RECONCILE_PROBLEMS
+
+    source = Path(conductor.reconcile.__file__).read_text()
+    flagged = set(re.findall(r'report\["(\w+)"\] = True', source))
+    assert "metrics_rollup_error" in flagged
+    assert flagged <= set(RECONCILE_PROBLEMS)

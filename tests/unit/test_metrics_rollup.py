@@ -230,3 +230,30 @@ def test_the_rollup_has_a_column_per_latency_bucket() -> None:
     columns = tuple(latency_bucket_column(b) for b in LATENCY_BUCKETS_S)
     assert columns == migration.LATENCY_BUCKET_COLUMNS
     assert all(c in METRICS_ROLLUP.c for c in columns)
+
+
+def test_usage_paid_after_its_job_was_folded_reaches_the_scrape(settings: Settings) -> None:
+    """A worker that lost its lease finishes its call after another took the step over (its attempt closed
+    ``worker_lost``), and a re-driven planning's call past ``metrics_abandoned_s``: their usage lands on rows
+    the rollup already took, which the scrape no longer reads (it was lost from /metrics)."""
+    from conductor.store import jobs as store
+
+    job_id = add_job("tenant-a", "succeeded", steps=(("b", "succeeded", 40, ("worker_lost", None)),))
+    assert roll_up_metrics(settings, now=utcnow())["metrics_rolled_up_jobs"] == 1
+    before = scrape("tenant-a")
+    with session_scope() as s:
+        step_id = s.exec(select(Step.id).where(Step.job_id == job_id)).one()
+        assert store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, input_tokens=1000, output_tokens=50,
+                                          cost_usd=0.25)
+        assert store.add_lost_planner_usage(s, job_id=job_id, claim=7, usage={
+            "planner_input_tokens": 400, "planner_output_tokens": 20, "planner_cost_usd": 0.5,
+            "planner_calls": 1}).added
+    after = scrape("tenant-a")
+    worker = ("conductor_tokens_total", (("agent", "b"), ("direction", "input"), ("role", "worker"),
+                                         ("tenant", "tenant-a")))
+    planner = ("conductor_tokens_total", (("agent", "template:single"), ("direction", "input"), ("role", "planner"),
+                                          ("tenant", "tenant-a")))
+    assert after[worker] == before[worker] + 1000
+    assert after[planner] == before[planner] + 400
+    cost = ("conductor_cost_usd_total", (("agent", "b"), ("role", "worker"), ("tenant", "tenant-a")))
+    assert math.isclose(after[cost], before[cost] + 0.25)

@@ -141,6 +141,7 @@ def test_the_webhook_backfill_looks_back_ten_minutes_past_its_last_complete_look
     from conductor import reconcile
 
     monkeypatch.setattr(reconcile, "_backfilled_at", None)
+    monkeypatch.setattr(reconcile, "_full_look_at", None)
     hours_ago = _ended_without_delivery(timedelta(hours=3))
     days_ago = _ended_without_delivery(timedelta(hours=30))
     reconcile_once(settings)
@@ -151,6 +152,11 @@ def test_the_webhook_backfill_looks_back_ten_minutes_past_its_last_complete_look
     late, recent = _ended_without_delivery(timedelta(minutes=20)), _ended_without_delivery(timedelta(minutes=5))
     reconcile_once(settings)
     assert _has_delivery(recent) and not _has_delivery(late)
+
+    # ... and the next whole day's look, an hour after the last one, finds it
+    monkeypatch.setattr(reconcile, "_full_look_at", utcnow() - timedelta(hours=1, seconds=1))
+    reconcile_once(settings)
+    assert _has_delivery(late)
 
     # No pass for two hours: the next one looks back to ten minutes before the last complete one
     monkeypatch.setattr(reconcile, "_backfilled_at", utcnow() - timedelta(hours=2))
@@ -177,7 +183,15 @@ def test_backfill_since_is_ten_minutes_before_the_last_complete_look_and_at_most
     ten = timedelta(seconds=reconcile.WEBHOOK_BACKFILL_S)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(reconcile, "_backfilled_at", None)
+        mp.setattr(reconcile, "_full_look_at", None)
         assert reconcile.backfill_since(now) == now - timedelta(hours=24)
+        mp.setattr(reconcile, "_backfilled_at", now - timedelta(seconds=15))
+        assert reconcile.backfill_since(now) == now - timedelta(hours=24)  # no whole day's look yet
+        mp.setattr(reconcile, "_full_look_at", now - timedelta(hours=1))
+        assert reconcile.backfill_since(now) == now - timedelta(hours=24)  # the hourly one is due
+        mp.setattr(reconcile, "_full_look_at", now + timedelta(minutes=1))  # a clock stepped back
+        assert reconcile.backfill_since(now) == now - timedelta(hours=24)
+        mp.setattr(reconcile, "_full_look_at", now - timedelta(minutes=30))
         mp.setattr(reconcile, "_backfilled_at", now - timedelta(seconds=15))
         assert reconcile.backfill_since(now) == now - timedelta(seconds=15) - ten
         mp.setattr(reconcile, "_backfilled_at", now - timedelta(days=3))

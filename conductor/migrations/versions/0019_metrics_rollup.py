@@ -13,6 +13,8 @@ Create Date: 2026-11-25
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -41,8 +43,23 @@ def upgrade() -> None:
     for table in ("job", "webhook_delivery"):
         with op.batch_alter_table(table) as batch:
             batch.add_column(sa.Column("metrics_rolled_up_at", sa.DateTime(timezone=True), nullable=True))
-        op.create_index(f"ix_{table}_metrics_unrolled", table, ["finished_at"],
-                        postgresql_where=sa.text(NOT_ROLLED_UP_SQL), sqlite_where=sa.text(NOT_ROLLED_UP_SQL))
+    # Every existing row starts not rolled up, so each partial index covers its whole table: on Postgres it
+    # is built CONCURRENTLY, after the columns' commit (a plain build held ACCESS EXCLUSIVE on job, taken
+    # by ADD COLUMN, for its whole length); one an interrupted build left invalid is built again.
+    postgres = op.get_bind().dialect.name == "postgresql"
+    with op.get_context().autocommit_block() if postgres else nullcontext():
+        for table in ("job", "webhook_delivery"):
+            name = f"ix_{table}_metrics_unrolled"
+            if postgres and not op.get_context().as_sql:
+                valid = op.get_bind().execute(sa.text(
+                    "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                    "WHERE c.relname = :name AND pg_table_is_visible(c.oid)"), {"name": name}).scalar()
+                if valid:
+                    continue
+                if valid is not None:
+                    op.drop_index(name, table_name=table, postgresql_concurrently=True)
+            op.create_index(name, table, ["finished_at"], postgresql_where=sa.text(NOT_ROLLED_UP_SQL),
+                            sqlite_where=sa.text(NOT_ROLLED_UP_SQL), postgresql_concurrently=postgres)
 
 
 def downgrade() -> None:
