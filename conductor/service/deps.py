@@ -72,6 +72,15 @@ def tenant_dep(
 TenantDep = Annotated[str, Depends(tenant_dep)]
 
 
+def job_id_or_404(session: Session, job_id: str, tenant: str) -> str:
+    """The caller's job's id, or 404 as ``job_or_404``, reading only the id (a job's task and context can
+    each be 100,000 characters; an event stream needs neither)."""
+    if not (JOB_ID_RE.fullmatch(job_id) and store.job_exists(session, job_id=job_id, tenant=tenant)):
+        shown = job_id if JOB_ID_RE.fullmatch(job_id) else "(malformed id)"
+        raise Problem(404, "Job not found", f"no job {shown} for this API key")
+    return job_id
+
+
 def job_or_404(session: Session, job_id: str, tenant: str) -> Job:
     """The caller's job, or 404 (another tenant's job is indistinguishable from a missing one)."""
     job = store.get_job(session, job_id=job_id, tenant=tenant) if JOB_ID_RE.fullmatch(job_id) else None

@@ -49,6 +49,12 @@ def get_job(session: Session, *, job_id: str, tenant: str | None = None) -> Job 
     return session.exec(stmt).first()
 
 
+def job_exists(session: Session, *, job_id: str, tenant: str) -> bool:
+    """Whether the tenant has this job, reading its id only."""
+    return session.execute(sa.select(col(Job.id)).where(col(Job.id) == job_id, col(Job.tenant) == tenant)).first() \
+        is not None
+
+
 def get_job_by_idempotency_key(session: Session, *, tenant: str, key: str) -> Job | None:
     return session.exec(select(Job).where(Job.tenant == tenant, Job.idempotency_key == key)).first()
 

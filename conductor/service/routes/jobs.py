@@ -20,7 +20,15 @@ from sqlmodel import Session
 from conductor.engine import cancel_job
 from conductor.quotas import admission, lapsed_stream_message, open_stream, refresh_stream
 from conductor.replay import ReplayRequest, create_replay
-from conductor.service.deps import SessionDep, SettingsDep, TenantDep, bearer_key, job_or_404, resolve_tenant
+from conductor.service.deps import (
+    SessionDep,
+    SettingsDep,
+    TenantDep,
+    bearer_key,
+    job_id_or_404,
+    job_or_404,
+    resolve_tenant,
+)
 from conductor.service.problems import Problem, problems
 from conductor.service.schemas import (
     JobAccepted,
@@ -232,11 +240,11 @@ def events(job_id: str, settings: SettingsDep, authorization: Annotated[str | No
     """
     with Session(get_engine(settings.database_url)) as session:
         tenant = resolve_tenant(session, settings, authorization)
-        job = job_or_404(session, job_id, tenant)
+        job_id = job_id_or_404(session, job_id, tenant)
     slot = uuid.uuid4().hex
     open_stream(tenant, slot, settings)
     return StreamingResponse(
-        _event_stream(job.id, settings, tenant=tenant, slot=slot, key=bearer_key(settings, authorization)),
+        _event_stream(job_id, settings, tenant=tenant, slot=slot, key=bearer_key(settings, authorization)),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
