@@ -7,22 +7,27 @@ import subprocess
 import sys
 
 import sqlalchemy as sa
+from alembic import command
 from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 
-from conductor.migrations.migrate import alembic_config
+from conductor.migrations.migrate import alembic_config, schema_revisions, upgrade
 from tests.conftest import TESTS
 
 
 def revisions(url: str) -> tuple[set[str], set[str]]:
     """The database's current revisions, and the package's heads."""
-    engine = sa.create_engine(url, poolclass=sa.NullPool)
-    try:
-        with engine.connect() as conn:
-            current = set(MigrationContext.configure(conn).get_current_heads())
-    finally:
-        engine.dispose()
-    return current, set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+    current, heads, _ = schema_revisions(url)
+    return current, heads
+
+
+def assert_downgrades_to_base_and_upgrades_again(url: str) -> None:
+    """Every revision's downgrade runs (from head to an empty schema), and the upgrade after it."""
+    upgrade(url)
+    command.downgrade(alembic_config(url), "base")
+    assert revisions(url)[0] == set()
+    upgrade(url)
+    current, heads = revisions(url)
+    assert current == heads
 
 
 def run_together(setup: str, statement: str, *args: str, count: int = 2,

@@ -47,7 +47,7 @@ class NewerStoreError(Exception):
     The message reads after the store's name: "<store> was written by a newer release ..."."""
 
 
-def _revisions(database_url: str) -> tuple[set[str], set[str], set[str]]:
+def schema_revisions(database_url: str) -> tuple[set[str], set[str], set[str]]:
     """The database's current revisions, this package's heads, and every revision this package has."""
     import sqlalchemy as sa
     from alembic.runtime.migration import MigrationContext
@@ -66,7 +66,7 @@ def _revisions(database_url: str) -> tuple[set[str], set[str], set[str]]:
 def is_behind(database_url: str) -> bool:
     """True when upgrade() has work to do: the database is at an older revision of this package's, or at
     none (not when it is at the head, nor at a revision only a newer release has)."""
-    current, heads, known = _revisions(database_url)
+    current, heads, known = schema_revisions(database_url)
     return current != heads and current <= known
 
 
@@ -75,7 +75,7 @@ def newer_store_error(database_url: str) -> NewerStoreError | None:
     or None when it has none."""
     from importlib.metadata import PackageNotFoundError, version
 
-    current, heads, known = _revisions(database_url)
+    current, heads, known = schema_revisions(database_url)
     unknown = sorted(current - known)
     if not unknown:
         return None

@@ -43,6 +43,30 @@ def sent_statements() -> Iterator[list[str]]:
 
 
 @contextmanager
+def scratch_database(suffix: str) -> Iterator[str]:
+    """An empty database beside the test database (its name + ``_suffix``, so runs against other test
+    databases never meet), dropped afterwards even if connections remain; yields its URL."""
+    import sqlalchemy as sa
+
+    from conductor.settings import get_settings
+
+    base = sa.make_url(get_settings().database_url)
+    name = f"{base.database}_{suffix}"
+    admin = sa.create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        try:
+            yield base.set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as conn:
+                conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        admin.dispose()
+
+
+@contextmanager
 def agent_queue(monkeypatch: pytest.MonkeyPatch, agent: str, queue: str) -> Iterator[dict[str, str]]:
     """This process routes ``agent``'s steps to ``queue`` (``CONDUCTOR_STEP_QUEUES``) until the block ends;
     then the setting is restored and the queue's leftover messages are dropped. Yields the mapping, for

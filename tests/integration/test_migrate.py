@@ -7,27 +7,21 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
-from alembic import command
 
-from conductor.migrations.migrate import alembic_config, upgrade
-from conductor.settings import get_settings
-from tests.migrating import assert_schema_is_the_models, revisions, run_together
+from conductor.migrations.migrate import upgrade
+from tests.integration.harness import scratch_database
+from tests.migrating import (
+    assert_downgrades_to_base_and_upgrades_again,
+    assert_schema_is_the_models,
+    revisions,
+    run_together,
+)
 
 
 @pytest.fixture
 def fresh_url() -> Iterator[str]:
-    base = sa.make_url(get_settings().database_url)
-    name = f"{base.database}_fresh"
-    admin = sa.create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield base.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
+    with scratch_database("fresh") as url:
+        yield url
 
 
 def test_two_migrations_of_one_empty_database_at_once_both_succeed(
@@ -59,12 +53,7 @@ def test_each_migration_commits_on_its_own(fresh_url: str) -> None:
 
 
 def test_a_full_downgrade_and_upgrade_again(fresh_url: str) -> None:
-    upgrade(fresh_url)
-    command.downgrade(alembic_config(fresh_url), "base")
-    assert revisions(fresh_url)[0] == set()
-    upgrade(fresh_url)
-    current, heads = revisions(fresh_url)
-    assert current == heads
+    assert_downgrades_to_base_and_upgrades_again(fresh_url)
 
 
 def test_the_migrated_schema_is_the_models_for_autogenerate(fresh_url: str) -> None:

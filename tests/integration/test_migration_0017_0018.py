@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from alembic import command
 
 from conductor.migrations.migrate import alembic_config, upgrade
-from conductor.settings import get_settings
 from conductor.store.models import utcnow
+from tests.integration.harness import scratch_database
 
 NEW_INDEXES = {"ix_job_batch_status", "ix_job_tenant_status_created", "ix_job_metadata", "ix_job_queued",
                "ix_batch_tenant_created_id", "ix_stored_file_tenant_created_id"}
@@ -21,18 +21,8 @@ NEW_INDEXES = {"ix_job_batch_status", "ix_job_tenant_status_created", "ix_job_me
 
 @pytest.fixture
 def url() -> Iterator[str]:
-    base = sa.make_url(get_settings().database_url)
-    db = f"{base.database}_mig_0018"  # beside the test database: concurrent runs on other databases don't meet
-    admin = sa.create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        conn.exec_driver_sql(f"CREATE DATABASE {db}")
-    try:
-        yield base.set(database=db).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        admin.dispose()
+    with scratch_database("mig_0018") as scratch:
+        yield scratch
 
 
 JOB = ("INSERT INTO job (id, tenant, status, task, pool, pool_config, planner, depth, limits, metadata, "

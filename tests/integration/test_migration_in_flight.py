@@ -11,24 +11,13 @@ import sqlalchemy as sa
 from alembic import command
 
 from conductor.migrations.migrate import alembic_config, upgrade
-from conductor.settings import get_settings
-
-DB = "conductor_migration_test"
+from tests.integration.harness import scratch_database
 
 
 @pytest.fixture
 def url() -> Iterator[str]:
-    base = sa.make_url(get_settings().database_url)
-    admin = sa.create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {DB}")
-        conn.exec_driver_sql(f"CREATE DATABASE {DB}")
-    try:
-        yield base.set(database=DB).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
-        admin.dispose()
+    with scratch_database("migration") as scratch:  # beside the test database (a fixed name met other runs)
+        yield scratch
 
 
 def _job(conn: sa.Connection, job_id: str, tenant: str, status: str, parent: str | None = None) -> None:

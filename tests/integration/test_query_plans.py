@@ -8,24 +8,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
-from sqlmodel import Session, SQLModel
+from sqlmodel import Session
 
-import conductor.store.models  # noqa: F401  (the tables, on SQLModel.metadata)
 from conductor.migrations.migrate import upgrade
-from conductor.settings import get_settings
 from conductor.store import batches, webhooks
 from conductor.store import jobs as store
 from conductor.store.models import utcnow
-
-NOT_IN_MODELS = {"tenant_in_flight"}  # migration 0011's trigger-kept counter (Postgres only, no model)
-POSTGRES_ONLY_INDEXES = {"ix_job_metadata"}  # declared with ddl_if(dialect="postgresql")
+from tests.integration.harness import scratch_database
 
 FILL = """
 INSERT INTO tenant_settings (tenant, webhook_url, updated_at) VALUES ('t', 'https://hooks.example/t', now());
@@ -60,41 +53,17 @@ FROM generate_series(1, 3000) AS i;
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[sa.Engine]:
-    base = sa.make_url(get_settings().database_url)
-    db = f"{base.database}_plans"  # beside the test database: concurrent runs on other databases don't meet
-    admin = sa.create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        conn.exec_driver_sql(f"CREATE DATABASE {db}")
-    url = base.set(database=db).render_as_string(hide_password=False)
-    engine = sa.create_engine(url, poolclass=sa.NullPool)
-    try:
-        upgrade(url)
-        with engine.begin() as conn:
-            conn.connection.driver_connection.execute(FILL)  # type: ignore[union-attr]  (no parameters: % as is)
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql("VACUUM ANALYZE")
-        yield engine
-    finally:
-        engine.dispose()
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        admin.dispose()
-
-
-def test_the_models_declare_what_the_migrations_build(engine: sa.Engine, tmp_path: Path) -> None:
-    with engine.connect() as conn:
-        diffs = compare_metadata(MigrationContext.configure(conn), SQLModel.metadata)
-    assert [d for d in diffs if not (d[0] == "remove_table" and d[1].name in NOT_IN_MODELS)] == []
-    sqlite = f"sqlite:///{tmp_path / 'store.sqlite3'}"  # embedded mode: the same but the GIN index
-    upgrade(sqlite)
-    lite = sa.create_engine(sqlite)
-    try:
-        with lite.connect() as conn:
-            diffs = compare_metadata(MigrationContext.configure(conn), SQLModel.metadata)
-    finally:
-        lite.dispose()
-    assert [d for d in diffs if not (d[0] == "add_index" and d[1].name in POSTGRES_ONLY_INDEXES)] == []
+    with scratch_database("plans") as url:
+        engine = sa.create_engine(url, poolclass=sa.NullPool)
+        try:
+            upgrade(url)
+            with engine.begin() as conn:
+                conn.connection.driver_connection.execute(FILL)  # type: ignore[union-attr]  (no parameters: % as is)
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.exec_driver_sql("VACUUM ANALYZE")
+            yield engine
+        finally:
+            engine.dispose()
 
 
 def _plans(engine: sa.Engine, call: Callable[[Session], Any]) -> list[dict[str, Any]]:

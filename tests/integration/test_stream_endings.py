@@ -30,6 +30,7 @@ from conductor.service.routes import openai_chat
 from conductor.settings import get_settings
 from conductor.store.db import get_engine, session_scope
 from conductor.store.keys import revoke_key
+from tests.integration import harness
 from tests.integration.conftest import new_key
 from tests.integration.harness import Proc, sent_statements, wait_terminal
 
@@ -131,21 +132,12 @@ def test_an_event_stream_whose_slot_lapsed_ends_rather_than_go_over_the_limit(
 def scratch_database() -> Iterator[str]:
     """A database of the module's own (the test database's name + ``_outage``), migrated: it can be taken
     away from the app mid-stream without disturbing anything else."""
-    url = make_url(get_settings().database_url)
-    name = f"{url.database}_outage"
-    admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    scratch = url.set(database=name).render_as_string(hide_password=False)
-    upgrade(scratch)
-    try:
-        yield scratch
-    finally:
-        get_engine(scratch).dispose()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with harness.scratch_database("outage") as scratch:
+        upgrade(scratch)
+        try:
+            yield scratch
+        finally:
+            get_engine(scratch).dispose()
 
 
 @pytest.fixture

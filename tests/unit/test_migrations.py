@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from alembic import command
 from alembic.script import ScriptDirectory
 
 from conductor.embedded import database_url
 from conductor.migrations.migrate import alembic_config, upgrade
-from tests.migrating import assert_schema_is_the_models, revisions, run_together
+from tests.migrating import (
+    assert_downgrades_to_base_and_upgrades_again,
+    assert_schema_is_the_models,
+    revisions,
+    run_together,
+)
 
 
 def test_one_head_and_every_revision_reachable_from_it() -> None:
@@ -58,13 +62,7 @@ def test_two_runs_migrating_one_old_data_dir_at_once_both_succeed(tmp_path: Path
 
 
 def test_the_embedded_store_downgrades_to_base_and_upgrades_again(tmp_path: Path) -> None:
-    url = database_url(tmp_path)
-    upgrade(url)
-    command.downgrade(alembic_config(url), "base")
-    assert revisions(url)[0] == set()
-    upgrade(url)
-    current, heads = revisions(url)
-    assert current == heads
+    assert_downgrades_to_base_and_upgrades_again(database_url(tmp_path))
 
 
 def test_the_migrated_embedded_store_is_the_models_for_autogenerate(tmp_path: Path) -> None:

@@ -15,11 +15,9 @@ Create Date: 2026-11-26
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
-import sqlalchemy as sa
-from alembic import op
+from conductor.migrations import online
 
 revision = "0017_scale_indexes"
 down_revision = "0016_webhook_url_from_default"
@@ -50,41 +48,17 @@ REPLACED = [Ix("ix_job_batch_id", "job", ["batch_id"])]
 """Prefixes of the new indexes: every read they served is served as well by the longer one."""
 
 
-def _postgres() -> bool:
-    return op.get_bind().dialect.name == "postgresql"
-
-
 def _create(ix: Ix) -> None:
-    kw: dict[str, Any] = dict(ix.options or {})
-    if ix.where is not None:
-        kw.update(postgresql_where=sa.text(ix.where), sqlite_where=sa.text(ix.where))
-    if _postgres():
-        valid = None if op.get_context().as_sql else op.get_bind().execute(sa.text(
-            "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-            "WHERE c.relname = :name AND pg_table_is_visible(c.oid)"), {"name": ix.name}).scalar()
-        if valid:
-            return
-        if valid is not None:  # left invalid by an interrupted CONCURRENTLY build
-            op.drop_index(ix.name, table_name=ix.table, postgresql_concurrently=True)
-        op.create_index(ix.name, ix.table, ix.columns, postgresql_concurrently=True, **kw)
-    elif not ix.postgres_only:
-        op.create_index(ix.name, ix.table, ix.columns, **kw)
+    online.create_index(ix.name, ix.table, ix.columns, where=ix.where, postgres_only=ix.postgres_only,
+                        **(ix.options or {}))
 
 
 def _drop(ix: Ix) -> None:
-    if _postgres():
-        op.drop_index(ix.name, table_name=ix.table, postgresql_concurrently=True, if_exists=True)
-    elif not ix.postgres_only:
-        op.drop_index(ix.name, table_name=ix.table, if_exists=True)
-
-
-def _outside_transaction() -> AbstractContextManager[Any]:
-    # CREATE INDEX CONCURRENTLY cannot run inside a transaction: on Postgres each statement commits alone
-    return op.get_context().autocommit_block() if _postgres() else nullcontext()
+    online.drop_index(ix.name, ix.table, postgres_only=ix.postgres_only)
 
 
 def upgrade() -> None:
-    with _outside_transaction():
+    with online.outside_transaction():
         for ix in INDEXES:
             _create(ix)
         for ix in REPLACED:
@@ -92,7 +66,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with _outside_transaction():
+    with online.outside_transaction():
         for ix in REPLACED:
             _create(ix)
         for ix in INDEXES:

@@ -13,10 +13,10 @@ Create Date: 2026-11-25
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import sqlalchemy as sa
 from alembic import op
+
+from conductor.migrations import online
 
 revision = "0019_metrics_rollup"
 down_revision = "0018_backfill_url_from_default"
@@ -46,20 +46,9 @@ def upgrade() -> None:
     # Every existing row starts not rolled up, so each partial index covers its whole table: on Postgres it
     # is built CONCURRENTLY, after the columns' commit (a plain build held ACCESS EXCLUSIVE on job, taken
     # by ADD COLUMN, for its whole length); one an interrupted build left invalid is built again.
-    postgres = op.get_bind().dialect.name == "postgresql"
-    with op.get_context().autocommit_block() if postgres else nullcontext():
+    with online.outside_transaction():
         for table in ("job", "webhook_delivery"):
-            name = f"ix_{table}_metrics_unrolled"
-            if postgres and not op.get_context().as_sql:
-                valid = op.get_bind().execute(sa.text(
-                    "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-                    "WHERE c.relname = :name AND pg_table_is_visible(c.oid)"), {"name": name}).scalar()
-                if valid:
-                    continue
-                if valid is not None:
-                    op.drop_index(name, table_name=table, postgresql_concurrently=True)
-            op.create_index(name, table, ["finished_at"], postgresql_where=sa.text(NOT_ROLLED_UP_SQL),
-                            sqlite_where=sa.text(NOT_ROLLED_UP_SQL), postgresql_concurrently=postgres)
+            online.create_index(f"ix_{table}_metrics_unrolled", table, ["finished_at"], where=NOT_ROLLED_UP_SQL)
 
 
 def downgrade() -> None:

@@ -1,0 +1,48 @@
+"""Index builds that leave a live database taking writes, for revisions to call (0017, 0019): on Postgres an
+index is built ``CONCURRENTLY`` outside the revision's transaction (``outside_transaction``), and one that
+an interrupted build left invalid is dropped and built again when the revision is re-run; SQLite (embedded
+mode) builds it plainly. Revisions that ran depend on this behaviour: change it only by adding options."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import op
+
+
+def postgres() -> bool:
+    return op.get_bind().dialect.name == "postgresql"
+
+
+def outside_transaction() -> AbstractContextManager[Any]:
+    """Around concurrent builds: CREATE INDEX CONCURRENTLY cannot run inside a transaction, so on Postgres
+    each statement commits alone."""
+    return op.get_context().autocommit_block() if postgres() else nullcontext()
+
+
+def create_index(name: str, table: str, columns: list[str], *, where: str | None = None,
+                 postgres_only: bool = False, **options: Any) -> None:
+    """``where``: a partial index's predicate, as SQL with literals (a bound parameter could not match it)."""
+    kw: dict[str, Any] = dict(options)
+    if where is not None:
+        kw.update(postgresql_where=sa.text(where), sqlite_where=sa.text(where))
+    if postgres():
+        valid = None if op.get_context().as_sql else op.get_bind().execute(sa.text(
+            "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE c.relname = :name AND pg_table_is_visible(c.oid)"), {"name": name}).scalar()
+        if valid:
+            return
+        if valid is not None:  # left invalid by an interrupted CONCURRENTLY build
+            op.drop_index(name, table_name=table, postgresql_concurrently=True)
+        op.create_index(name, table, columns, postgresql_concurrently=True, **kw)
+    elif not postgres_only:
+        op.create_index(name, table, columns, **kw)
+
+
+def drop_index(name: str, table: str, *, postgres_only: bool = False) -> None:
+    if postgres():
+        op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
+    elif not postgres_only:
+        op.drop_index(name, table_name=table, if_exists=True)
