@@ -122,7 +122,15 @@ def _part_path(module_name: str, model: PackagedModel, agent: str) -> Path:
     return Path(module.get_part_path())
 
 
+_ASSEMBLED: dict[str, Path] = {}
+"""Paths a self-assembling package returned in this process: its ``assemble()`` re-hashes the whole file
+(253 MB for Gemma, about 0.25 s) on every call, and a model's path is looked up at every provider call."""
+
+
 def _self_assembled(model: PackagedModel, agent: str) -> Path:
+    known = _ASSEMBLED.get(model.assembler)
+    if known is not None and known.is_file():
+        return known
     module_name, function = model.assembler.split(":")
     try:
         assemble: Callable[[], str] = getattr(importlib.import_module(module_name), function)
@@ -132,11 +140,13 @@ def _self_assembled(model: PackagedModel, agent: str) -> Path:
             f"pip install '{model.pip_requirement}'"
         ) from exc
     try:
-        return Path(assemble())
+        path = Path(assemble())
     except (OSError, ValueError) as exc:
         hint = ("; a file left by an interrupted first run: delete it and run again"
                 if "unexpected sha256" in str(exc) else "")
         raise ConfigError(f"agent '{agent}': cannot prepare the model file of {model.name}: {exc}{hint}") from exc
+    _ASSEMBLED[model.assembler] = path
+    return path
 
 
 def _reporter(stream: TextIO | None, model: PackagedModel) -> Callable[[int], None]:

@@ -96,3 +96,30 @@ def test_a_self_assembled_models_leftover_file_is_named_with_what_to_do(monkeypa
                           description="g", assembler="fake_assembler:assemble")
     with pytest.raises(ConfigError, match=r"model\.gguf already exists.*delete it and run again"):
         model_file(model, agent="x")
+
+
+def test_a_self_assembled_model_is_assembled_once_per_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # the Gemma package's assemble() re-hashes its 253 MB file at every call (about 0.25 s), and a local
+    # agent looks its model's path up at every provider call: the path is kept once it was verified
+    target = tmp_path / "model.gguf"
+    calls: list[int] = []
+
+    def assemble() -> str:
+        calls.append(1)
+        target.write_bytes(b"gguf")
+        return str(target)
+
+    module = types.ModuleType("counting_assembler")
+    module.assemble = assemble  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "counting_assembler", module)
+    monkeypatch.setattr(local_models, "_ASSEMBLED", {}, raising=False)
+    model = PackagedModel(name="g", file_name="g.gguf", pip_requirement="g", chat_format="gemma",
+                          description="g", assembler="counting_assembler:assemble")
+    assert model_file(model, agent="x") == target
+    assert model_file(model, agent="x") == target
+    assert len(calls) == 1
+    target.unlink()  # deleted meanwhile (a cache cleaned): assembled again, not a path to nothing
+    assert model_file(model, agent="x") == target
+    assert len(calls) == 2
