@@ -67,6 +67,9 @@ class Dispatch:
     """Messages to send after a state change was committed."""
 
     plan: list[str] = field(default_factory=list)
+    background: set[str] = field(default_factory=set)
+    """Jobs of ``plan`` that are a batch's lines: their plans go at the broker's lowest priority, so that a
+    planner worker takes every live submission's plan waiting before them (``tasks.send.BATCH_PRIORITY``)."""
     steps: list[tuple[str, int]] = field(default_factory=list)
     finalize: list[str] = field(default_factory=list)
     agents: dict[tuple[str, int], str] = field(default_factory=dict)
@@ -84,6 +87,7 @@ class Dispatch:
         if self.taken is not None and other.taken is not None:
             raise ValueError("two claimed steps in one dispatch: one would never run")
         self.plan += other.plan
+        self.background |= other.background
         self.steps += other.steps
         self.finalize += other.finalize
         self.agents.update(other.agents)

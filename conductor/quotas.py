@@ -1,6 +1,7 @@
-"""Per-tenant quotas: how fast a tenant may submit, how many jobs it may have in flight, how many event
-streams it may hold open. Over a quota the caller gets :class:`QuotaExceeded` with the seconds after
-which trying again can succeed (the API answers 429 with ``Retry-After``); other tenants are unaffected.
+"""Per-tenant quotas: how fast a tenant may submit, how many jobs it may have in flight (and batches in
+progress), how many event streams it may hold open. Over a quota the caller gets :class:`QuotaExceeded`
+with the seconds after which trying again can succeed (the API answers 429 with ``Retry-After``); other
+tenants are unaffected.
 
 The submit rate and the open streams are counted in Redis (the broker's), so every API process agrees.
 If Redis cannot be reached those two quotas are not enforced (logged): the API keeps accepting work,
@@ -21,6 +22,7 @@ from sqlmodel import Session
 from conductor.errors import ConductorError, ErrorType
 from conductor.ratelimit import REDIS_TIMEOUT_S, RateLimiterUnavailable, get_limiter
 from conductor.settings import Settings
+from conductor.store import batches
 from conductor.store import jobs as store
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,19 @@ def in_flight_refusal(running: int, settings: Settings) -> QuotaExceeded:
         "Wait for some to end (or cancel them)",
         IN_FLIGHT_RETRY_AFTER_S,
     )
+
+
+def check_open_batches(session: Session, tenant: str, settings: Settings) -> None:
+    """Refuses a new batch while the tenant already has ``tenant_max_open_batches`` in progress. The caller
+    holds the tenant's ``files`` lock (``lock_tenant(scope="files")``), which every batch creation takes."""
+    running = batches.open_batches(session, tenant=tenant)
+    if running >= settings.tenant_max_open_batches:
+        raise QuotaExceeded(
+            "Too many batches in progress",
+            f"this tenant has {running} batches in progress; the limit is {settings.tenant_max_open_batches}. "
+            "Wait for one to end (or cancel one)",
+            IN_FLIGHT_RETRY_AFTER_S,
+        )
 
 
 @dataclass(frozen=True)
@@ -211,5 +226,6 @@ def close_stream(tenant: str, slot: str, settings: Settings) -> None:
             log.warning("stream slot not released (it expires by itself): %s", exc)
 
 
-__all__ = ["Admission", "QuotaExceeded", "admission", "check_jobs_in_flight", "check_submit_rate", "close_stream",
-           "in_flight_refusal", "lapsed_stream_message", "open_stream", "refresh_stream"]
+__all__ = ["Admission", "QuotaExceeded", "admission", "check_jobs_in_flight", "check_open_batches",
+           "check_submit_rate", "close_stream", "in_flight_refusal", "lapsed_stream_message", "open_stream",
+           "refresh_stream"]

@@ -24,7 +24,7 @@ from conductor.store.db import ONE_TRANSACTION
 from conductor.store.direct import Direct
 from conductor.store.metrics import add_late_usage
 from conductor.store.models import (
-    IN_FLIGHT_SQL,
+    LIVE_IN_FLIGHT_SQL,
     QUEUED_SQL,
     Job,
     JobStatus,
@@ -250,16 +250,17 @@ def get_attempts(session: Session, *, step_ids: Sequence[int]) -> list[StepAttem
 
 
 def count_jobs_in_flight(session: Session, *, tenant: str) -> int:
-    """The tenant's top-level jobs that have not ended. On Postgres one row of ``tenant_in_flight``,
-    which a trigger on ``job`` keeps in the transaction of every change (migration 0011); elsewhere a
-    count over the partial index ``ix_job_tenant_in_flight``."""
+    """The tenant's top-level jobs that have not ended, a batch's lines not counted (``LIVE_IN_FLIGHT_SQL``).
+    On Postgres one row of ``tenant_in_flight``, which a trigger on ``job`` keeps in the transaction of
+    every change (migrations 0011, 0020); elsewhere a count over the partial index ``ix_job_tenant_in_flight``."""
     direct = _core(session)
     stmt = _in_flight_counter_stmt() if direct.postgres else _count_in_flight_stmt()
     return int(direct.execute(stmt, {"p_tenant": tenant}).scalar_one())
 
 
 TENANT_IN_FLIGHT = sa.table("tenant_in_flight", sa.column("tenant", sa.String()), sa.column("jobs", sa.Integer()))
-"""Postgres only (migration 0011): each tenant's unfinished top-level jobs, kept by triggers on ``job``."""
+"""Postgres only (migrations 0011, 0020): each tenant's unfinished top-level jobs that are not a batch's
+lines, kept by triggers on ``job``."""
 
 
 def _tenant_in_flight(tenant: sa.BindParameter[str]) -> sa.ColumnElement[int]:
@@ -276,7 +277,7 @@ def _in_flight_counter_stmt() -> sa.Select[Any]:
 @cache
 def _count_in_flight_stmt() -> sa.Select[Any]:
     tenant = sa.bindparam("p_tenant", type_=sa.String())
-    return sa.select(sa.func.count()).select_from(JOB).where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL))
+    return sa.select(sa.func.count()).select_from(JOB).where(JOB.c.tenant == tenant, sa.text(LIVE_IN_FLIGHT_SQL))
 
 
 def lock_tenant(session: Session, *, tenant: str, scope: str = "tenant") -> None:
@@ -466,7 +467,7 @@ def _insert_job_admitted_stmt(columns: tuple[str, ...], counted: bool) -> sa.Ins
         under = _tenant_in_flight(tenant) < limit
     else:
         in_flight = (sa.select(sa.literal_column("1")).select_from(JOB)
-                     .where(JOB.c.tenant == tenant, sa.text(IN_FLIGHT_SQL)).limit(limit).subquery("in_flight"))
+                     .where(JOB.c.tenant == tenant, sa.text(LIVE_IN_FLIGHT_SQL)).limit(limit).subquery("in_flight"))
         under = sa.select(sa.func.count()).select_from(in_flight).scalar_subquery() < limit
     row = sa.select(*[sa.bindparam(c, type_=JOB.c[c].type) for c in columns]).where(under)
     return sa.insert(JOB).from_select(list(columns), row).returning(JOB.c.id)

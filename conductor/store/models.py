@@ -81,6 +81,11 @@ class UiSession(SQLModel, table=True):
 IN_FLIGHT_SQL = "parent_job_id IS NULL AND status IN ('queued', 'planning', 'running')"
 """A top-level job that has not ended, as SQL with literal statuses: a partial index serves a query only
 when the planner can match its predicate, which a bound parameter would prevent."""
+LIVE_IN_FLIGHT_SQL = IN_FLIGHT_SQL + " AND batch_id IS NULL"
+"""What the tenant's jobs-in-flight quota counts: unfinished top-level jobs that are not a batch's lines (a
+batch is bounded by its own quota, ``tenant_max_open_batches``, so it never holds up the tenant's live
+submissions). Kept on Postgres by the triggers of migration 0020; counted elsewhere (the partial index of
+``IN_FLIGHT_SQL`` serves it: the predicate implies the index's)."""
 QUEUED_SQL = "status = 'queued'"
 """A job waiting for its planner, as SQL with a literal status (a partial index's predicate, as above)."""
 TOP_LEVEL_SQL = "parent_job_id IS NULL"

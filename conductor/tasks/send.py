@@ -19,6 +19,11 @@ from conductor.store.models import utcnow
 from conductor.tasks.app import DELIVER_WEBHOOK_TASK, FINALIZE_TASK, PLAN_TASK, RUN_STEP_TASK, STEPS_QUEUE, app
 
 log = logging.getLogger(__name__)
+BATCH_PRIORITY = 9
+"""The plan message of a batch's line: the lowest of kombu's Redis priorities (0, 3, 6, 9; a worker's BRPOP
+asks for 0 first), so a planner worker takes every live submission's plan before a batch's, whatever the
+batch's size. Only the plan waits: once planned, a line's steps run as any job's. A plan the reconciler
+re-sends (a message lost, or never sent) goes at the default priority."""
 COUNTDOWN_MAX_S = 300.0
 """Webhook retries due within this long wait in the broker as countdown messages. Later ones are sent by
 the reconciler when due: a Redis message held past its visibility timeout would be delivered twice, and
@@ -31,7 +36,8 @@ def send(dispatch: Dispatch) -> None:
             log.error("step %s/%s was claimed for this slot but is not run by it; it re-runs when its lease "
                       "expires", taken.job_id, taken.index)
     for job_id in dispatch.plan:
-        app.send_task(PLAN_TASK, (job_id,), argsrepr=f"job={job_id}")
+        app.send_task(PLAN_TASK, (job_id,), argsrepr=f"job={job_id}",
+                      priority=BATCH_PRIORITY if job_id in dispatch.background else None)
         with session_scope() as s:
             store.update_job(s, job_id=job_id, enqueued_at=utcnow())
     if dispatch.steps:
@@ -89,18 +95,20 @@ def send_webhooks_of(job_id: str) -> None:
         log.warning("webhook of job %s not yet enqueued (%s); the reconciler will send it", job_id, type(exc).__name__)
 
 
-def enqueue_plan(job_id: str, *, recorded: bool = False) -> bool:
+def enqueue_plan(job_id: str, *, recorded: bool = False, background: bool = False) -> bool:
     """Used by the API after the job row is committed; False when the broker is unreachable.
 
     ``recorded``: the row was inserted with ``enqueued_at`` already set (``create_job(publishing=True)``),
     so only the message is sent here; if it cannot be, ``enqueued_at`` is cleared so that the reconciler
     sends the job within ``ENQUEUE_GRACE_S``. Should this process die between the commit and the send,
-    the job looks sent and is re-sent as a lost message, within ``reconcile_stale_s`` plus an interval."""
+    the job looks sent and is re-sent as a lost message, within ``reconcile_stale_s`` plus an interval.
+    ``background``: a batch's line, sent at ``BATCH_PRIORITY``."""
     try:
         if recorded:
-            app.send_task(PLAN_TASK, (job_id,), argsrepr=f"job={job_id}")
+            app.send_task(PLAN_TASK, (job_id,), argsrepr=f"job={job_id}",
+                          priority=BATCH_PRIORITY if background else None)
         else:
-            send(Dispatch(plan=[job_id]))
+            send(Dispatch(plan=[job_id], background={job_id} if background else set()))
     except Exception as exc:  # any broker/connection failure: the outbox (reconciler) takes over
         log.warning("job %s accepted but not yet enqueued (%s: %s); the reconciler will send it",
                     job_id, type(exc).__name__, exc)

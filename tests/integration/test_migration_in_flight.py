@@ -20,13 +20,20 @@ def url() -> Iterator[str]:
         yield scratch
 
 
-def _job(conn: sa.Connection, job_id: str, tenant: str, status: str, parent: str | None = None) -> None:
+def _job(conn: sa.Connection, job_id: str, tenant: str, status: str, parent: str | None = None,
+         batch: str | None = None) -> None:
     conn.execute(sa.text(
         "INSERT INTO job (id, tenant, status, task, pool, pool_config, planner, depth, limits, metadata, "
         "cancel_requested, planner_attempts, planner_input_tokens, planner_output_tokens, planner_cost_usd, "
-        "planner_calls, input_tokens, output_tokens, cost_usd, calls, parent_job_id, created_at, updated_at) "
-        "VALUES (:id, :tenant, :status, 't', 'sim', '{}', 'x', 0, '{}', '{}', false, 0, 0, 0, 0, 0, 0, 0, 0, 0, "
-        ":parent, now(), now())"), {"id": job_id, "tenant": tenant, "status": status, "parent": parent})
+        "planner_calls, input_tokens, output_tokens, cost_usd, calls, parent_job_id, batch_id, created_at, "
+        "updated_at) VALUES (:id, :tenant, :status, 't', 'sim', '{}', 'x', 0, '{}', '{}', false, 0, 0, 0, 0, 0, "
+        "0, 0, 0, 0, :parent, :batch, now(), now())"),
+        {"id": job_id, "tenant": tenant, "status": status, "parent": parent, "batch": batch})
+
+
+def _rows(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {t: n for t, n in conn.exec_driver_sql("SELECT tenant, jobs FROM tenant_in_flight").all() if n}
 
 
 def test_the_upgrade_counts_the_jobs_already_in_flight_and_the_downgrade_removes_its_parts(url: str) -> None:
@@ -55,5 +62,31 @@ def test_the_upgrade_counts_the_jobs_already_in_flight_and_the_downgrade_removes
                 "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'job_in_flight%'")).scalar() == 0
             assert conn.execute(sa.text(
                 "SELECT count(*) FROM pg_proc WHERE proname LIKE 'conductor_tenant_in_flight%'")).scalar() == 0
+    finally:
+        engine.dispose()
+
+
+def test_0020_leaves_a_batchs_lines_out_of_the_count_and_its_downgrade_counts_them_again(url: str) -> None:
+    upgrade(url, "0019_metrics_rollup")
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    try:
+        with engine.begin() as conn:
+            _job(conn, "a0", "alpha", "queued")
+            _job(conn, "a1", "alpha", "running", batch="batch_1")
+            _job(conn, "a2", "alpha", "queued", batch="batch_1")
+            _job(conn, "b0", "beta", "planning", batch="batch_2")  # a tenant with only a batch running
+        assert _rows(engine) == {"alpha": 3, "beta": 1}  # 0011's count: every unfinished top-level job
+        upgrade(url)
+        assert _rows(engine) == {"alpha": 1}
+        with engine.begin() as conn:  # and the triggers leave lines out from here
+            _job(conn, "a3", "alpha", "queued", batch="batch_1")
+            conn.exec_driver_sql("UPDATE job SET status = 'succeeded' WHERE id IN ('a1', 'b0')")
+            _job(conn, "a4", "alpha", "queued")
+        assert _rows(engine) == {"alpha": 2}
+        command.downgrade(alembic_config(url), "0019_metrics_rollup")
+        assert _rows(engine) == {"alpha": 4}  # a0, a2, a3, a4
+        with engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE job SET status = 'failed' WHERE id = 'a2'")
+        assert _rows(engine) == {"alpha": 3}
     finally:
         engine.dispose()

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 import sqlalchemy as sa
@@ -35,14 +36,19 @@ def wf(agents: list[str]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def quota_api(proc_env: dict[str, str], workers: list[Proc]) -> Iterator[str]:
     env = {**proc_env, "CONDUCTOR_TENANT_SUBMITS_PER_MINUTE": str(SUBMITS_PER_MINUTE),
-           "CONDUCTOR_TENANT_MAX_JOBS_IN_FLIGHT": str(IN_FLIGHT), "CONDUCTOR_TENANT_MAX_STREAMS": "1"}
+           "CONDUCTOR_TENANT_MAX_JOBS_IN_FLIGHT": str(IN_FLIGHT), "CONDUCTOR_TENANT_MAX_STREAMS": "1",
+           "CONDUCTOR_TENANT_MAX_OPEN_BATCHES": "1"}
     proc, url = start_api(env)
     yield url
     proc.stop()
 
 
 def tenant_client(url: str, tenant: str) -> httpx.Client:
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {new_key(tenant)}"}, timeout=30)
+    return tenant_client_for_key(url, new_key(tenant))
+
+
+def tenant_client_for_key(url: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
 
 def assert_429(r: httpx.Response, title: str) -> None:
@@ -74,6 +80,31 @@ def test_jobs_in_flight_quota_refuses_one_tenant_and_not_another(quota_api: str)
         again = greedy.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])})
         assert again.status_code == 202, again.text
         assert wait_terminal(greedy, again.json()["id"])["status"] == "succeeded"
+
+
+def test_a_batch_runs_apart_from_the_live_jobs_in_flight_quota(quota_api: str) -> None:
+    """A batch with more lines than the tenant's jobs-in-flight limit leaves its live submissions alone (they
+    were all refused until the batch had nearly ended); batches are bounded by their own quota."""
+    key = new_key("batcher")
+    slow = {"task": "t", "workflow": wf(["slow", "slow"])}
+    lines = "".join(json.dumps({"custom_id": f"s{n}", "method": "POST", "url": "/v1/jobs", "body": slow}) + "\n"
+                    for n in range(IN_FLIGHT + 1))
+    with openai.OpenAI(base_url=f"{quota_api}/v1", api_key=key, max_retries=0) as client, \
+            tenant_client_for_key(quota_api, key) as http:
+        uploaded = client.files.create(file=("s.jsonl", lines.encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+        live = [http.post("/v1/jobs", json={"task": "t", "workflow": wf(["slow"])}) for _ in range(IN_FLIGHT)]
+        assert [r.status_code for r in live] == [202] * IN_FLIGHT, [r.text for r in live]
+        assert_429(http.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])}), "Too many jobs in flight")
+
+        with pytest.raises(openai.RateLimitError) as refused:  # the tenant's one open batch is running
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+        assert "1 batches in progress; the limit is 1" in str(refused.value)
+        assert client.batches.cancel(batch.id).status == "cancelled"
+        again = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+        assert client.batches.cancel(again.id).status == "cancelled"
+        for r in live:
+            assert wait_terminal(http, r.json()["id"])["status"] == "succeeded"
 
 
 def test_concurrent_submissions_cannot_both_take_the_last_place(quota_api: str) -> None:
@@ -261,7 +292,7 @@ def test_the_tenants_in_flight_row_follows_every_change_of_its_jobs() -> None:
     def counts() -> tuple[int, int]:
         with session_scope() as s:
             counted = s.execute(sa.text(
-                "SELECT count(*) FROM job WHERE tenant = :t AND parent_job_id IS NULL "
+                "SELECT count(*) FROM job WHERE tenant = :t AND parent_job_id IS NULL AND batch_id IS NULL "
                 "AND status IN ('queued', 'planning', 'running')"), {"t": tenant}).scalar_one()
             return store.count_jobs_in_flight(s, tenant=tenant), int(counted)
 
@@ -300,6 +331,14 @@ def _follow(jobs: list[Job], job: Any, counts: Any, set_status: Any) -> None:
         store.insert_job(s, job=child)
         s.commit()
     set_status(child.id, "running")
+    assert counts() == (3, 3)
+    line = job(batch_id="batch_counted", status="queued")  # a batch's line: bounded by the batches quota
+    with session_scope() as s:
+        store.insert_job(s, job=line)
+        s.commit()
+    assert counts() == (3, 3)
+    set_status(line.id, "succeeded")
+    set_status(line.id, "queued")
     assert counts() == (3, 3)
     with session_scope() as s:  # rolled back: nothing changes
         s.execute(sa.text("UPDATE job SET status = 'failed' WHERE tenant = :t"), {"t": jobs[0].tenant})

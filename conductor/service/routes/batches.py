@@ -18,7 +18,7 @@ from sqlmodel import Session
 
 from conductor.batches import BatchFileError, cancel_batch, create_batch, finish_if_done
 from conductor.openai_wire import BatchCreate, BatchList, BatchObject, RequestCounts
-from conductor.quotas import admission
+from conductor.quotas import admission, check_open_batches
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
 from conductor.service.routes.files import check_file_quota, file_or_404
@@ -89,12 +89,14 @@ def create(
     if input_file.purpose != "batch":
         raise OpenAIError(400, f"file {input_file.id} is not a batch input file (purpose '{input_file.purpose}')",
                           param="input_file_id", code="invalid_file")
-    # A batch is one submission: refused (429) while the tenant is over its rate or already at its limit
-    # of jobs in flight; its lines then count in flight like any job until they end.
-    admission(tenant, settings)(session)
+    # A batch is one submission: refused (429) while the tenant is over its rate, or already has
+    # tenant_max_open_batches in progress. Its lines do not count against the jobs-in-flight quota of live
+    # submissions, and their plans wait behind live ones on the broker (lower priority).
+    admission(tenant, settings).check_rate()
     # Its output and error files are written when it ends, whatever the quota then: the room is asked now,
-    # counting what the tenant's running batches will write, under the lock uploads take.
+    # counting what the tenant's running batches will write, under the lock uploads take (and batches).
     lock_tenant(session, tenant=tenant, scope="files")
+    check_open_batches(session, tenant, settings)
     check_file_quota(session, tenant, settings, files=2, size=0, what="with a batch's output and error files",
                      param="input_file_id")
     try:
@@ -117,12 +119,13 @@ def create(
 
 
 def _enqueue(job_ids: list[str]) -> None:
-    """After the answer: one message per job (tens of ms each). If this process dies first, or the
-    broker is down, the jobs are still stored with no ``enqueued_at`` and the reconciler sends them."""
+    """After the answer: one message per job (tens of ms each), at the batch priority (behind live
+    submissions' plans). If this process dies first, or the broker is down, the jobs are still stored
+    with no ``enqueued_at`` and the reconciler sends them."""
     from conductor.tasks.send import enqueue_plan
 
     for job_id in job_ids:
-        if not enqueue_plan(job_id):
+        if not enqueue_plan(job_id, background=True):
             return
 
 

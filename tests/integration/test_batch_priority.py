@@ -1,0 +1,85 @@
+"""A batch's lines wait behind live submissions on the broker: their plan messages go at the lowest Redis
+priority, so a planner worker takes a live job submitted after a batch before the batch's lines. Runs its
+own API and worker on a broker database of its own (the shared workers would take the messages first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+import sqlalchemy as sa
+
+from conductor.store.db import session_scope
+from conductor.tasks.send import BATCH_PRIORITY
+from tests.integration.conftest import new_key
+from tests.integration.harness import Proc, start_api, start_worker, wait_terminal
+
+BROKER = os.environ.get("CONDUCTOR_TEST_PRIORITY_BROKER", "redis://127.0.0.1:6379/2")
+ONE_STEP = {"model_ids": ["a"], "subtasks": ["x"], "access_lists": [[]]}
+
+
+@pytest.fixture
+def env(proc_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    broker = redis.Redis.from_url(BROKER)
+    broker.flushdb()
+    yield {**proc_env, "CONDUCTOR_BROKER_URL": BROKER, "CONDUCTOR_RESULT_BACKEND": BROKER}
+    broker.flushdb()
+
+
+def _enqueued(job_ids: list[str]) -> bool:
+    with session_scope() as s:
+        rows = s.execute(sa.text("SELECT count(*) FROM job WHERE id = ANY(:ids) AND enqueued_at IS NOT NULL"),
+                         {"ids": job_ids}).scalar_one()
+    return int(rows) == len(job_ids)
+
+
+def test_a_live_job_submitted_after_a_batch_is_planned_before_the_batchs_lines(env: dict[str, str]) -> None:
+    api, url = start_api(env)
+    worker: Proc | None = None
+    key = new_key("tenant-priority")
+    try:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client, \
+                httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+            lines = "".join(json.dumps({"custom_id": f"b{n}", "method": "POST", "url": "/v1/jobs",
+                                        "body": {"task": f"line {n}", "workflow": ONE_STEP}}) + "\n"
+                            for n in range(3))
+            uploaded = client.files.create(file=("p.jsonl", lines.encode()), purpose="batch")
+            batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+            with session_scope() as s:
+                line_jobs = [r[0] for r in s.execute(sa.text(
+                    "SELECT job_id FROM batch_request WHERE batch_id = :b ORDER BY line"), {"b": batch.id})]
+            deadline = time.monotonic() + 30  # the batch's plans are sent after its answer
+            while not _enqueued(line_jobs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _enqueued(line_jobs)
+            live = http.post("/v1/jobs", json={"task": "live", "workflow": ONE_STEP})
+            assert live.status_code == 202, live.text
+            live_id = live.json()["id"]
+
+            queued = redis.Redis.from_url(BROKER)
+            assert queued.llen("planner") == 1  # the live plan, at the default priority
+            assert queued.llen(f"planner\x06\x16{BATCH_PRIORITY}") == 3  # the lines', polled last
+
+            worker = start_worker(env, "prio", queues="planner,steps", concurrency=1)
+            assert wait_terminal(http, live_id)["status"] == "succeeded"
+            ended = client.batches.retrieve(batch.id)
+            deadline = time.monotonic() + 60
+            while ended.status != "completed" and time.monotonic() < deadline:
+                time.sleep(0.2)
+                ended = client.batches.retrieve(batch.id)
+            assert ended.status == "completed", ended
+        with session_scope() as s:
+            started: dict[str, Any] = dict(s.execute(sa.text(  # planning's start, from the server's clock
+                "SELECT id, started_at FROM job WHERE id = ANY(:ids)"), {"ids": [*line_jobs, live_id]}).all())
+        assert started[live_id] < min(started[j] for j in line_jobs), started
+    finally:
+        if worker is not None:
+            worker.stop()
+        api.stop()
