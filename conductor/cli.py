@@ -339,6 +339,7 @@ def _planner_serve(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
+    from conductor.migrations.lock_waits import MigrationLockTimeout
     from conductor.migrations.migrate import NewerStoreError, upgrade
     from conductor.store.db import driver_reason
 
@@ -347,6 +348,8 @@ def _migrate(args: argparse.Namespace) -> int:
         upgrade(url)
     except NewerStoreError as exc:
         raise CliError(f"the database at {_safe_url(url)} {exc}") from exc
+    except MigrationLockTimeout as exc:  # a LockNotAvailable inside: not "cannot reach the database"
+        raise CliError(str(exc)) from exc
     except OperationalError as exc:
         if os.environ.get("CONDUCTOR_DEBUG"):
             raise

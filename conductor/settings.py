@@ -94,6 +94,18 @@ class Settings(BaseSettings):
     db_connect_timeout_s: int = Field(default=10, ge=2, le=600)
     """How long opening a Postgres connection may take (libpq ``connect_timeout``): an unreachable server
     that drops packets otherwise holds the caller, and its pool slot, for minutes (libpq's least is 2)."""
+    migration_lock_timeout_s: float = Field(default=5.0, ge=0, le=600)
+    """``conductor migrate`` on Postgres: the longest a revision's statement waits for a lock (``lock_timeout``).
+    While an ``ALTER TABLE job`` waits behind a long transaction, every new query on ``job`` queues behind
+    it: this bounds that stall. On a timeout the revision is rolled back and tried again
+    (``migration_lock_tries``). Concurrent index builds wait without it (they block no reads or writes).
+    0: wait as long as it takes, once (the behaviour before it existed)."""
+    migration_lock_tries: int = Field(default=10, ge=1, le=1000)
+    """Tries of a revision that keeps timing out on a lock before ``conductor migrate`` gives up, naming
+    the session that holds it; the schema stays at the revision before."""
+    migration_lock_retry_wait_s: float = Field(default=10.0, ge=0, le=3600)
+    """The pause between two tries of a revision that timed out on a lock, with nothing held (the
+    service's queries run meanwhile)."""
     db_synchronous_commit: bool = True
     """Off, Postgres acknowledges a commit before its WAL reaches disk: each transaction stops waiting for
     an fsync (7-13 ms on the benchmark box), and a Postgres crash can lose the last few hundred ms of

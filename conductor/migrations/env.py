@@ -10,6 +10,7 @@ from sqlalchemy import Connection, engine_from_config, make_url, pool, text
 from sqlmodel import SQLModel
 
 import conductor.store.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from conductor.migrations import lock_waits
 from conductor.migrations.migrate import LOCK_KEY, objects_for
 from conductor.settings import get_settings
 
@@ -63,8 +64,23 @@ def run_online() -> None:
             render_as_batch=url.startswith("sqlite"),
             transaction_per_migration=True,
         )
-        with context.begin_transaction():
-            context.run_migrations()
+        # On Postgres every statement waits for a lock at most CONDUCTOR_MIGRATION_LOCK_TIMEOUT_S (a
+        # statement queued for ACCESS EXCLUSIVE queues every later query on its table behind it); a revision
+        # that timed out is rolled back and tried again (lock_waits.py). Each try reads where the schema is.
+        def migrate() -> None:
+            with context.begin_transaction():
+                context.run_migrations()
+
+        lock_waits.run(engine, connection, migrate, lambda: set(context.get_context().get_current_heads()),
+                       lock_waits.LockPolicy.from_settings(), revision_target())
+
+
+def revision_target() -> object:
+    """The revision upgrade or downgrade goes to; None for commands that go nowhere (``alembic check``)."""
+    try:
+        return context.get_revision_argument()
+    except KeyError:
+        return None
 
 
 if context.is_offline_mode():

@@ -91,7 +91,9 @@ def newer_store_error(database_url: str) -> NewerStoreError | None:
 
 def upgrade(database_url: str, revision: str = "head") -> None:
     """Migrates the database to ``revision``; NewerStoreError when it is at a revision this package lacks
-    (Alembic's own error is "Can't locate revision identified by ...", as a traceback)."""
+    (Alembic's own error is "Can't locate revision identified by ...", as a traceback); on Postgres,
+    lock_waits.MigrationLockTimeout when a revision timed out on a lock at each of its tries (the schema
+    is then at the revision before it)."""
     try:
         command.upgrade(alembic_config(database_url), revision)
     except CommandError as exc:

@@ -1,11 +1,16 @@
 """Index builds that leave a live database taking writes, for revisions to call (0017, 0019): on Postgres an
 index is built ``CONCURRENTLY`` outside the revision's transaction (``outside_transaction``), and one that
 an interrupted build left invalid is dropped and built again when the revision is re-run; SQLite (embedded
-mode) builds it plainly. Revisions that ran depend on this behaviour: change it only by adding options."""
+mode) builds it plainly. Revisions that ran depend on this behaviour: change it only by adding options.
+
+Inside ``outside_transaction`` statements run without the migration's ``lock_timeout``
+(conductor/migrations/lock_waits.py): a concurrent build waits for every older transaction by design, and
+blocks no reads or writes while it does; a timeout would fail it late and leave an invalid index."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
@@ -16,10 +21,29 @@ def postgres() -> bool:
     return op.get_bind().dialect.name == "postgresql"
 
 
-def outside_transaction() -> AbstractContextManager[Any]:
+@contextmanager
+def outside_transaction() -> Iterator[None]:
     """Around concurrent builds: CREATE INDEX CONCURRENTLY cannot run inside a transaction, so on Postgres
-    each statement commits alone."""
-    return op.get_context().autocommit_block() if postgres() else nullcontext()
+    each statement commits alone, with no ``lock_timeout`` (restored after)."""
+    if not postgres():
+        yield
+        return
+    with op.get_context().autocommit_block(), _without_lock_timeout():
+        yield
+
+
+@contextmanager
+def _without_lock_timeout() -> Iterator[None]:
+    if op.get_context().as_sql:
+        yield
+        return
+    bind = op.get_bind()
+    before = bind.execute(sa.text("SELECT current_setting('lock_timeout')")).scalar()
+    bind.execute(sa.text("SELECT set_config('lock_timeout', '0', false)"))
+    try:
+        yield
+    finally:
+        bind.execute(sa.text("SELECT set_config('lock_timeout', :before, false)"), {"before": before})
 
 
 def create_index(name: str, table: str, columns: list[str], *, where: str | None = None,
