@@ -108,7 +108,7 @@ def _select_jobs(engine: sa.Engine) -> Callable[[Background], None]:
 
 
 def _migrate(url: str) -> Callable[[Background], None]:
-    return lambda _: upgrade(url)
+    return lambda _: upgrade(url, AFTER)
 
 
 def test_queries_on_job_are_not_held_behind_a_migration_waiting_for_a_long_transaction_and_it_goes_on_after(
