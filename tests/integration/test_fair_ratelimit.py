@@ -1,12 +1,17 @@
 """Rate-limit fairness on the real Redis: one tenant with many waiting steps cannot starve another
-that uses the same agent. Counts of grants are compared, never durations."""
+that uses the same agent. Counts of grants and the order of the slots the limiter hands out (their due
+times on Redis's clock) are compared, never how long anything took."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
 
 import pytest
 import redis
@@ -74,3 +79,76 @@ def test_a_lone_tenant_keeps_the_whole_rate(agent: str) -> None:
         assert limiter.acquire(agent, 6, timeout_s=0.0, burst=BURST, tenant="alone") == 0.0
     with pytest.raises(RateLimitTimeout):
         limiter.acquire(agent, 6, timeout_s=0.0, burst=BURST, tenant="alone")
+
+
+@dataclass
+class Ledger:
+    """Every ask a limiter sends for a tenant, and the slot each grant got: its due time on Redis's clock
+    (the clock read just before the ask plus the wait the limiter answered)."""
+
+    asks: Counter[str] = field(default_factory=Counter)
+    dues: list[tuple[float, str]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    asked: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.asked = threading.Condition(self.lock)
+
+    def tenant_dues(self, tenant: str) -> list[float]:
+        return sorted(due for due, who in self.dues if who == tenant)
+
+    def wait_for_asks(self, tenant: str, n: int) -> None:
+        with self.asked:
+            assert self.asked.wait_for(lambda: self.asks[tenant] >= n, timeout=30), self.asks
+
+
+def redis_now_us(limiter: RateLimiter) -> int:
+    seconds, micros = limiter.client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def recorded(limiter: RateLimiter) -> Ledger:
+    """Wraps ``limiter``'s one call to Redis per ask (a spy: the real script runs)."""
+    ledger = Ledger()
+    take = limiter._take_fair
+
+    def spy(agent: str, tenant: str, *args: Any, **kwargs: Any) -> Any:
+        asked = redis_now_us(limiter) / 1e6
+        reply = take(agent, tenant, *args, **kwargs)
+        with ledger.asked:
+            ledger.asks[tenant] += 1
+            if reply[0]:
+                ledger.dues.append((asked + reply[1], tenant))
+            ledger.asked.notify_all()
+        return reply
+
+    limiter._take_fair = spy  # type: ignore[method-assign]
+    return ledger
+
+
+def callers(limiter: RateLimiter, agent: str, tenant: str, n: int, *, rpm: int, burst: int, timeout_s: float
+            ) -> list[threading.Thread]:
+    """``n`` threads of ``tenant``, each taking one slot (a step's call); a refusal ends its thread."""
+
+    def one() -> None:
+        with contextlib.suppress(RateLimitTimeout):
+            limiter.acquire(agent, rpm, timeout_s=timeout_s, burst=burst, tenant=tenant)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_a_lone_tenants_queue_gets_every_slot_of_the_rate(agent: str) -> None:
+    """A tenant alone with more steps than the bucket holds: after the burst its grants fall on every
+    consecutive slot of the rate, none skipped: the run's throughput is the full rpm."""
+    rpm, burst, steps = 600, 2, 30  # a slot every 0.1 s
+    limiter = RateLimiter(url=get_settings().broker_url)
+    ledger = recorded(limiter)
+    for t in callers(limiter, agent, "alone", steps, rpm=rpm, burst=burst, timeout_s=30.0):
+        t.join(30)
+    dues = ledger.tenant_dues("alone")
+    assert len(dues) == steps
+    slots_apart = [round((b - a) * rpm / 60) for a, b in pairwise(dues)]
+    assert slots_apart == [0] * (burst - 1) + [1] * (steps - burst), slots_apart
