@@ -6,7 +6,8 @@ a token atomically, on Redis's clock, so processes on different hosts agree on t
 the last token.
 
 A caller that finds the bucket empty *reserves* the next free token (the bucket goes below zero) and sleeps
-until that token's time, so waiting callers are served in arrival order and nobody polls. If that time is
+until that token's time, so waiting callers are served in arrival order and nobody polls (a caller naming
+its tenant may first wait in its tenant's queue: below). If that time is
 further away than the caller's ``timeout_s``, nothing is reserved and :class:`RateLimitTimeout` says when
 to try again.
 
@@ -14,16 +15,35 @@ A token bucket bounds any window of ``T`` seconds to ``capacity + rpm * T / 60``
 capacity a provider may see up to ``2 * rpm`` requests in one minute after an idle spell. Pass a smaller
 ``burst`` where a provider enforces a strict sliding minute.
 
-Fairness between tenants: a step names its tenant, and while several tenants use one agent each may
-hold at most ``capacity / active tenants`` reserved (waiting) slots of it. A tenant at its share waits
-for its own earliest slot to come due before it may reserve another, so another tenant's request
-queues behind at most that share of someone else's backlog instead of all of it: one tenant's thousand
-queued steps cannot starve the others. With one tenant active, nothing changes.
+Fairness between tenants: a step names its tenant. A reserved slot cannot be taken back, so whoever
+reserves far ahead makes everyone after it wait: a tenant alone that filled the queue (``rate_limit_wait_s``
+deep, 30 slots at 60/min with a 30 s wait) made a tenant arriving next wait all of it, or refused it when
+its slot lay past its own wait. So reservations stay near the front: a tenant may hold ``QUEUE_SLOTS``
+(2) reserved slots divided by the tenants *backlogged* on the agent (holding a reservation or a queued
+caller), at least 1: a tenant alone 2, each of several 1. A caller whose tenant holds its share waits in its
+tenant's queue (arrival order) and is told when its place should open: as the tenant's reservations come
+due, then one place every ``backlogged tenants`` slots. It sleeps until then and asks again, with the same
+caller id. Alone, the estimate is exact (a tenant arriving can only make it early) and a waiting call asks
+twice; shared, it asks again halfway to its estimate (the count of tenants changes as they come and go),
+about ``1 + log2(its place)`` asks. Waiters never ask at every slot: this bounded wait is the only polling.
+A caller whose estimate, plus the bucket's current wait, lies past its ``timeout_s`` is refused at once,
+reserving nothing.
+
+So a tenant arriving finds about ``max(QUEUE_SLOTS, tenants backlogged)`` slots reserved ahead of it (one
+more in the moment a second tenant arrives, while the first still holds the two it took alone) and waits
+that many slots plus one, where it waited the whole queue before; backlogged tenants are then served in
+turn, a slot each. A tenant alone still gets every slot: its queued callers take them as they open, and
+the bucket keeps any a late caller missed (up to ``capacity``, a minute's by default), so its throughput is
+the bucket's, as without tenants. A caller that dies while queued keeps its place ``LEASE_GRACE_S`` past
+the time it was to ask again, then the next ask drops it; one cancelled (a gevent kill) leaves at once.
+Measured (``tests/integration/test_fair_ratelimit.py``, 600/min, a 30-slot queue): the newcomer's slot
+came 3rd, after the queued tenant's free one and its two reserved (before: behind all 31, past its wait,
+so refused).
 """
 
 from __future__ import annotations
 
-import random
+import contextlib
 import time
 import uuid
 from functools import lru_cache
@@ -40,8 +60,6 @@ REDIS_TIMEOUT_S = 2.0
 """Connect and read timeout for the limiter's Redis: an unreachable limiter fails the attempt, not the worker."""
 MAX_CONNECTIONS = 64
 """Connections a process's limiter opens at most; more callers at once wait for one (a call is one script)."""
-FAIRNESS_JITTER_S = 0.05
-"""At most this much is added to a fairness wait, so waiters woken by the same slot do not ask at once."""
 
 # KEYS[1] bucket; ARGV: capacity, refill tokens per second, the longest wait the caller accepts (seconds).
 # Returns {granted (0/1), wait in microseconds}. Time is kept in integer microseconds, exact in a double.
@@ -77,29 +95,50 @@ return {1, math.ceil(wait * 1000000)}
 """
 
 
-ACTIVE_WINDOW_S = 60.0
-"""A tenant that used an agent within this window counts as active on it (and shares its slots)."""
+QUEUE_SLOTS = 2
+"""Reserved slots a tenant may hold on an agent before its callers queue, divided by the tenants backlogged on
+it (at least 1): a tenant alone holds 2, each of several 1. Small, so a tenant arriving finds few reserved."""
+LEASE_GRACE_S = 2.0
+"""A queued caller keeps its place this long past the time it was told to ask again; one that has not asked
+by then (its process died, it was cancelled) is dropped from the queue, and one late past it queues anew."""
 
-# KEYS[1] bucket, KEYS[2] the agent's active tenants (zset: last seen), KEYS[3] this tenant's reserved
-# slots (zset: due time). ARGV: capacity, refill per second, max wait (s), tenant, slot id, window (s).
-# Returns {granted (0/1), wait in microseconds, refused for fairness (0/1)}.
+# KEYS[1] bucket; KEYS[2] the agent's backlogged tenants (zset: until when their reservations or queued
+# callers last); KEYS[3] this tenant's reserved slots (zset: due time); KEYS[4] this tenant's queued
+# callers (zset: arrival); KEYS[5] their leases (zset: lease end). ARGV: capacity, refill per second,
+# max wait (s), tenant, caller id, QUEUE_SLOTS, LEASE_GRACE_S. Times are integer microseconds on Redis's
+# clock. Returns {granted (0/1), wait in microseconds, queued (0/1)}: granted, sleep the wait and call;
+# queued, sleep the wait and ask again with the same caller id; neither, refused (the wait is past the max).
 FAIR_TOKEN_BUCKET_LUA = """
 local capacity = tonumber(ARGV[1])
 local rate = tonumber(ARGV[2])
-local max_wait = tonumber(ARGV[3])
-local window = tonumber(ARGV[6]) * 1000000
+local max_wait = tonumber(ARGV[3]) * 1000000
+local tenant = ARGV[4]
+local id = ARGV[5]
+local queue_slots = tonumber(ARGV[6])
+local grace = tonumber(ARGV[7]) * 1000000
+local per_slot = 1000000 / rate
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-redis.call('ZADD', KEYS[2], now, ARGV[4])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
-redis.call('PEXPIRE', KEYS[2], math.ceil(window / 1000) + 1000)
-local active = redis.call('ZCARD', KEYS[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-local reserved = redis.call('ZCARD', KEYS[3])
-if active > 1 and reserved >= math.max(1, math.floor(capacity / active)) then
-  local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-  return {0, math.max(1, tonumber(first[2]) - now), 1}
+
+local function expire_with(key, times)
+  local last = redis.call('ZRANGE', times, -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIRE', key, math.ceil((tonumber(last[2]) - now) / 1000) + 1000)
+  end
 end
+local function backlogged_until(t)
+  local held = tonumber(redis.call('ZSCORE', KEYS[2], tenant) or 0)
+  if t > held then
+    redis.call('ZADD', KEYS[2], t, tenant)
+    expire_with(KEYS[2], KEYS[2])
+  end
+end
+local function leave()
+  redis.call('ZREM', KEYS[4], id)
+  redis.call('ZREM', KEYS[5], id)
+end
+
+-- the bucket, refilled to now; written only when a token is taken
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local tokens = tonumber(state[1])
 local ts = tonumber(state[2])
@@ -112,21 +151,85 @@ if now > ts then
   ts = now
 end
 tokens = math.min(capacity, tokens)
-local wait = 0
+local debt = 0
 if tokens < 1 then
-  wait = (1 - tokens) / rate
+  debt = (1 - tokens) * per_slot
 end
-if wait > max_wait then
-  return {0, math.ceil(wait * 1000000), 0}
+
+-- this tenant's share of the reserved slots, among the tenants with slots reserved or callers queued
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local tenants = redis.call('ZCARD', KEYS[2])
+if not redis.call('ZSCORE', KEYS[2], tenant) then
+  tenants = tenants + 1
 end
-tokens = tokens - 1
-redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', ts)
-redis.call('PEXPIRE', KEYS[1], math.ceil((capacity - tokens) / rate * 1000) + 1000)
-if wait > 0 then
-  redis.call('ZADD', KEYS[3], now + math.ceil(wait * 1000000), ARGV[5])
-  redis.call('PEXPIRE', KEYS[3], math.ceil(wait * 1000) + 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local reserved = redis.call('ZCARD', KEYS[3])
+local room = math.max(1, math.floor(queue_slots / tenants)) - reserved
+
+-- this tenant's queue, in arrival order, without the callers whose lease lapsed
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
+for _, gone in ipairs(lapsed) do
+  redis.call('ZREM', KEYS[4], gone)
 end
-return {1, math.ceil(wait * 1000000), 0}
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+local pos = redis.call('ZRANK', KEYS[4], id)
+if not pos then
+  if room > 0 and redis.call('ZCARD', KEYS[4]) == 0 then
+    pos = -1
+  else
+    redis.call('ZADD', KEYS[4], now, id)
+    pos = redis.call('ZRANK', KEYS[4], id)
+  end
+end
+
+if pos < room then
+  leave()
+  if debt > max_wait then
+    return {0, math.ceil(debt), 0}
+  end
+  tokens = tokens - 1
+  redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', ts)
+  redis.call('PEXPIRE', KEYS[1], math.ceil((capacity - tokens) * per_slot / 1000) + 1000)
+  if debt > 0 then
+    local due = now + math.ceil(debt)
+    redis.call('ZADD', KEYS[3], due, id)
+    redis.call('PEXPIRE', KEYS[3], math.ceil(debt / 1000) + 1000)
+    backlogged_until(due)
+  end
+  return {1, math.ceil(debt), 0}
+end
+
+-- queued: a place opens as each reserved slot comes due, then about every `tenants` slots
+local dues = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
+local function opens(k)
+  if k <= reserved then
+    return tonumber(dues[2 * k])
+  end
+  local last = now
+  if reserved > 0 then
+    last = tonumber(dues[2 * reserved])
+  end
+  return last + (k - reserved) * tenants * per_slot
+end
+local k = pos - room + 1
+local eta = opens(k) - now
+if eta + debt > max_wait then
+  leave()
+  return {0, math.ceil(eta + debt), 0}
+end
+-- alone, a tenant's places open on its own slots: ask again then (a tenant arriving makes that early,
+-- never late). Shared, ask again halfway to it, or when the first place opens if later: the estimate
+-- counts the tenants backlogged now, and follows them as they come and go in a few asks
+local wait = eta
+if tenants > 1 then
+  wait = math.max(opens(1) - now, eta / 2)
+end
+wait = math.ceil(wait)
+redis.call('ZADD', KEYS[5], now + wait + grace, id)
+expire_with(KEYS[4], KEYS[5])
+expire_with(KEYS[5], KEYS[5])
+backlogged_until(now + wait + grace)
+return {0, wait, 1}
 """
 
 
@@ -187,27 +290,34 @@ class RateLimiter:
         capacity = rpm if burst is None else burst
         if capacity < 1:
             raise ValueError(f"burst must be at least 1, got {burst}")
+        per_second = rpm / 60.0
+        if tenant is None:
+            granted, wait = self._take(agent, capacity=capacity, per_second=per_second, max_wait=timeout_s)
+            if not granted:
+                raise RateLimitTimeout(agent, rpm, waited_needed=wait, timeout_s=timeout_s)
+            if wait > 0:
+                time.sleep(wait)
+            return wait
+        caller = uuid.uuid4().hex
         waited = 0.0
         while True:
             left = max(0.0, timeout_s - waited)
-            if tenant is None:
-                granted, wait = self._take(agent, capacity=capacity, per_second=rpm / 60.0, max_wait=left)
-                fairness = False
-            else:
-                granted, wait, fairness = self._take_fair(
-                    agent, tenant, capacity=capacity, per_second=rpm / 60.0, max_wait=left
-                )
+            granted, wait, queued = self._take_fair(
+                agent, tenant, caller, capacity=capacity, per_second=per_second, max_wait=left
+            )
             if granted:
                 if wait > 0:
                     time.sleep(wait)
                 return waited + wait
-            if not fairness or wait > left:
+            if not queued:
                 raise RateLimitTimeout(agent, rpm, waited_needed=wait, timeout_s=timeout_s)
-            # this tenant is at its share: its own next slot comes due, then it asks again; a little jitter
-            # keeps its waiters (all woken by the same slot) from asking at the same instant
-            pause = wait + random.uniform(0, min(FAIRNESS_JITTER_S, wait))
-            time.sleep(pause)
-            waited += pause
+            # queued behind this tenant's other callers: ask again when the limiter said
+            try:
+                time.sleep(wait)
+            except BaseException:
+                self._leave(agent, tenant, caller)  # cancelled (gevent kill, interrupt): give the place up now
+                raise
+            waited += wait
 
     def try_take(self, name: str, *, per_minute: int, burst: int | None = None) -> float:
         """Takes a token from bucket ``name`` if one is free now, without waiting: returns 0.0 when
@@ -223,17 +333,26 @@ class RateLimiter:
         granted, wait_us = reply
         return bool(int(granted)), int(wait_us) / 1_000_000
 
+    def _fair_keys(self, agent: str, tenant: str) -> list[str]:
+        bucket = self.key(agent)
+        return [bucket, f"{bucket}:backlog", f"{bucket}:t:{tenant}", f"{bucket}:q:{tenant}", f"{bucket}:l:{tenant}"]
+
     def _take_fair(
-        self, agent: str, tenant: str, *, capacity: int, per_second: float, max_wait: float
+        self, agent: str, tenant: str, caller: str, *, capacity: int, per_second: float, max_wait: float
     ) -> tuple[bool, float, bool]:
-        keys = [self.key(agent), f"{self.key(agent)}:tenants", f"{self.key(agent)}:t:{tenant}"]
-        args = [capacity, repr(per_second), repr(max_wait), tenant, uuid.uuid4().hex, repr(ACTIVE_WINDOW_S)]
+        args = [capacity, repr(per_second), repr(max_wait), tenant, caller, QUEUE_SLOTS, repr(LEASE_GRACE_S)]
         try:
-            reply: Any = self._fair(keys=keys, args=args)
+            reply: Any = self._fair(keys=self._fair_keys(agent, tenant), args=args)
         except redis.RedisError as exc:
             raise _unavailable(agent, exc) from exc
-        granted, wait_us, fairness = reply
-        return bool(int(granted)), int(wait_us) / 1_000_000, bool(int(fairness))
+        granted, wait_us, queued = reply
+        return bool(int(granted)), int(wait_us) / 1_000_000, bool(int(queued))
+
+    def _leave(self, agent: str, tenant: str, caller: str) -> None:
+        """Best effort: a caller that stops waiting leaves its tenant's queue (else its lease lapses)."""
+        _, _, _, queue, leases = self._fair_keys(agent, tenant)
+        with contextlib.suppress(redis.RedisError):
+            self.client.pipeline(transaction=False).zrem(queue, caller).zrem(leases, caller).execute()
 
 
 def _unavailable(agent: str, exc: redis.RedisError) -> RateLimiterUnavailable:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+from conductor import ratelimit
 from conductor.ratelimit import RateLimiter, RateLimitTimeout
 from conductor.settings import get_settings
 
@@ -140,9 +142,32 @@ def callers(limiter: RateLimiter, agent: str, tenant: str, n: int, *, rpm: int, 
     return threads
 
 
+def test_a_tenant_arriving_behind_a_deep_queue_is_served_near_its_front(agent: str) -> None:
+    """A tenant alone queues a batch as deep as its wait allows (3 s of slots here, 30 of them); another
+    tenant's single step then arrives. It gets a slot within the batch's few front slots, not behind all
+    of them (it was refused: its slot was 3.1 s away, past its wait, behind all 31 of the batch's)."""
+    rpm, burst, wait_s = 600, 1, 3.0  # a slot every 0.1 s
+    limiter = RateLimiter(url=get_settings().broker_url)
+    ledger = recorded(limiter)
+    batch = callers(limiter, agent, "batch", 40, rpm=rpm, burst=burst, timeout_s=wait_s)
+    ledger.wait_for_asks("batch", 40)  # every step of the batch has asked (reserved, queued or been refused)
+    try:
+        limiter.acquire(agent, rpm, timeout_s=wait_s, burst=burst, tenant="single")
+    except RateLimitTimeout as exc:
+        pytest.fail(f"the newcomer was refused: {exc}; the batch held {len(ledger.tenant_dues('batch'))} slots")
+    finally:
+        for t in batch:
+            t.join(30)
+    (single,) = ledger.tenant_dues("single")
+    ahead = [due for due in ledger.tenant_dues("batch") if due < single]
+    # the batch's immediate grant and the slots it may hold reserved when another tenant comes (2)
+    assert len(ahead) <= 3, f"{len(ahead)} of the batch's slots were due before the newcomer's"
+
+
 def test_a_lone_tenants_queue_gets_every_slot_of_the_rate(agent: str) -> None:
     """A tenant alone with more steps than the bucket holds: after the burst its grants fall on every
-    consecutive slot of the rate, none skipped: the run's throughput is the full rpm."""
+    consecutive slot of the rate, none skipped (the run's throughput is the full rpm), and each step
+    asks Redis a few times at most, not once per slot that passes while it waits."""
     rpm, burst, steps = 600, 2, 30  # a slot every 0.1 s
     limiter = RateLimiter(url=get_settings().broker_url)
     ledger = recorded(limiter)
@@ -152,3 +177,50 @@ def test_a_lone_tenants_queue_gets_every_slot_of_the_rate(agent: str) -> None:
     assert len(dues) == steps
     slots_apart = [round((b - a) * rpm / 60) for a, b in pairwise(dues)]
     assert slots_apart == [0] * (burst - 1) + [1] * (steps - burst), slots_apart
+    # a step of a tenant alone is told when its place opens and asks twice (once when granted at once);
+    # one woken late may ask a third time. Asking at every slot that passes would be ~435 asks
+    assert ledger.asks["alone"] <= 3 * steps, ledger.asks
+
+
+def test_two_batches_take_turns_slot_by_slot(agent: str) -> None:
+    """A batch queued alone, then a second tenant's batch: from the second's first grant to its last the two
+    alternate (each holds one reserved slot at a time), and their waiting steps ask Redis a few times each
+    rather than all at every slot of their tenant."""
+    rpm, burst, steps = 600, 1, 30
+    limiter = RateLimiter(url=get_settings().broker_url)
+    ledger = recorded(limiter)
+    first = callers(limiter, agent, "first", steps, rpm=rpm, burst=burst, timeout_s=30.0)
+    ledger.wait_for_asks("first", steps)
+    second = callers(limiter, agent, "second", steps, rpm=rpm, burst=burst, timeout_s=30.0)
+    for t in first + second:
+        t.join(30)
+    order = [who for _, who in sorted(ledger.dues)]
+    assert len(order) == 2 * steps
+    start = order.index("second")
+    shared = order[start:start + steps]  # while both had steps waiting
+    assert start <= 3 and abs(shared.count("first") - shared.count("second")) <= 2, order
+    # sharing, a waiting step asks again halfway to its turn: about 1 + log2(its place) asks, not one
+    # at every slot its tenant is granted (30 steps: 465 asks)
+    assert max(ledger.asks.values()) <= 8 * steps, ledger.asks
+
+
+def test_a_queued_caller_that_never_asks_again_loses_its_place(agent: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose process died while it waited in its tenant's queue keeps its place only until its lease
+    (the time it was told to ask again, plus LEASE_GRACE_S) lapses; the next ask drops it, so the callers
+    behind it do not queue behind a step that will never take its slot."""
+    monkeypatch.setattr(ratelimit, "LEASE_GRACE_S", 0.2)
+    limiter = RateLimiter(url=get_settings().broker_url)
+    _, _, _, queue, leases = limiter._fair_keys(agent, "t")
+
+    def ask(caller: str) -> tuple[bool, float, bool]:
+        return limiter._take_fair(agent, "t", caller, capacity=1, per_second=10.0, max_wait=30.0)
+
+    assert [ask(c)[0] for c in ("now", "reserved-1", "reserved-2")] == [True] * 3  # one free, two reserved
+    granted, _, queued = ask("ghost")  # its share is held: it queues, and never asks again
+    assert not granted and queued and limiter.client.zrank(queue, "ghost") == 0
+    lease = limiter.client.zscore(leases, "ghost")
+    assert lease is not None
+    while redis_now_us(limiter) <= lease:  # until its lease lapsed on Redis's clock
+        time.sleep(0.05)
+    assert limiter.acquire(agent, 600, timeout_s=30.0, burst=1, tenant="t") >= 0.0
+    assert limiter.client.zrank(queue, "ghost") is None
