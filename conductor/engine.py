@@ -1085,10 +1085,13 @@ def cancel_job(job_id: str) -> bool:
 
 def settle_from_children(job_id: str) -> Dispatch:
     """For the reconciler: recursive steps whose child job already ended but never resumed this job
-    (the child's finalize was lost) are settled now."""
+    (the child's finalize was lost) are settled now. Under the job row's lock, like every transaction that
+    writes several of a job's steps: a cancel or failure of the job closing them meanwhile (which holds
+    that lock) waits for it, or it for them, instead of each holding a step the other needs."""
     dispatch = Dispatch()
     with session_scope() as s:
-        waiting = store.running_steps_with_children(s, job_id=job_id)
+        store.lock_job(s, job_id=job_id)
+        waiting = store.running_steps_with_children(s, job_id=job_id)  # by id
         ended = []
         for step in waiting:
             child = store.get_job(s, job_id=step.child_job_id or "")

@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import lru_cache
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
@@ -34,6 +35,18 @@ DATABASE_AWAY: tuple[type[Exception], ...] = (sa_exc.OperationalError, sa_exc.In
 """What "the database cannot be reached now" raises: the server down or refusing, a dropped connection, or
 no pooled connection free within the pool's timeout (a stalled database holding every connection). Work
 meeting one is left for a retry or the reconciler, never failed as a bug."""
+
+
+def in_id_order(id_column: Any, *where: Any) -> sa.ColumnElement[bool]:
+    """``id IN (SELECT id … WHERE <where> ORDER BY id FOR NO KEY UPDATE)``: an ``UPDATE`` of several rows
+    whose condition this is locks them in one order, ids ascending, whatever plan it gets. A plain ``UPDATE
+    … WHERE <where>`` locks rows in the order its plan visits them (a sequential scan: where their current
+    versions lie in the table; an index or bitmap scan: where each row was first written, or in index
+    order), so two statements over the same rows could each hold one the other waits for: a deadlock,
+    which Postgres breaks after ``deadlock_timeout`` (1 s) by aborting one of them. Every statement or
+    transaction that locks several rows of one table takes them by id (docs/architecture.md, "Lock
+    order"). SQLite, whose writers take the database's lock one at a time, drops the ``FOR UPDATE``."""
+    return id_column.in_(sa.select(id_column).where(*where).order_by(id_column).with_for_update(key_share=True))
 
 
 def driver_reason(exc: BaseException) -> str:

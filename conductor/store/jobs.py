@@ -20,7 +20,7 @@ from sqlalchemy.orm import QueryableAttribute, defer
 from sqlmodel import Session, col, select
 
 from conductor.errors import ErrorType
-from conductor.store.db import ONE_TRANSACTION
+from conductor.store.db import ONE_TRANSACTION, in_id_order
 from conductor.store.direct import Direct
 from conductor.store.metrics import add_late_usage
 from conductor.store.models import (
@@ -710,11 +710,13 @@ def update_step(session: Session, *, step_id: int, **values: Any) -> None:
 def close_open_steps(session: Session, *, job_id: str, to: str) -> int:
     """Marks the job's unfinished steps ``to`` (skipped on failure, cancelled on cancel): pending, queued and
     running ones. A call still running ends with its answer dropped and its usage added to the step and the
-    job (``add_unrecorded_usage``); a recursive step's child job is cancelled by the caller."""
+    job (``add_unrecorded_usage``); a recursive step's child job is cancelled by the caller. The caller holds
+    the job row's lock; the steps are locked by id (``in_id_order``), as the heartbeat locks the running
+    ones it renews."""
     unfinished = col(Step.status).in_([StepStatus.PENDING, StepStatus.QUEUED, StepStatus.RUNNING])
     stmt = (
         sa.update(Step)
-        .where(col(Step.job_id) == job_id, unfinished)
+        .where(in_id_order(col(Step.id), col(Step.job_id) == job_id, unfinished))
         .values(status=to, finished_at=utcnow(), lease_expires_at=None, **RELEASED)
     )
     return _rowcount(session.execute(stmt))
@@ -1189,13 +1191,14 @@ def step_output(session: Session, *, job_id: str, index: int) -> str | None:
 
 
 def renew_leases(session: Session, *, held: Sequence[tuple[int, str]], seconds: float) -> int:
-    """The heartbeat: extends every listed (step id, owner) lease still held, in one statement."""
+    """The heartbeat: extends every listed (step id, owner) lease still held, in one statement, locking the
+    steps by id (``in_id_order``: a cancel or failure of their job closes them in the same order)."""
     if not held:
         return 0
     stmt = (
         sa.update(Step)
-        .where(sa.tuple_(col(Step.id), col(Step.lease_owner)).in_(list(held)),
-               col(Step.status) == StepStatus.RUNNING)
+        .where(in_id_order(col(Step.id), sa.tuple_(col(Step.id), col(Step.lease_owner)).in_(list(held)),
+                           col(Step.status) == StepStatus.RUNNING))
         .values(lease_expires_at=utcnow() + timedelta(seconds=seconds))
     )
     return _rowcount(session.execute(stmt))
@@ -1218,11 +1221,12 @@ def renew_planning(session: Session, *, held: Sequence[tuple[str, int]]) -> int:
 
 
 def running_steps_with_children(session: Session, *, job_id: str) -> list[Step]:
+    """The job's recursive steps still waiting for their child job, by id (the order they are settled in)."""
     return list(
         session.exec(
             select(Step).where(
                 Step.job_id == job_id, Step.status == StepStatus.RUNNING, col(Step.child_job_id).is_not(None)
-            )
+            ).order_by(col(Step.id))
         )
     )
 
