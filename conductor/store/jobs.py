@@ -1206,12 +1206,14 @@ def renew_leases(session: Session, *, held: Sequence[tuple[int, str]], seconds: 
 
 def renew_planning(session: Session, *, held: Sequence[tuple[str, int]]) -> int:
     """The heartbeat of planners at work: touches every listed (job id, planning claim) still planning
-    under that claim, in one statement."""
+    under that claim, in one statement, locking the jobs by id (``in_id_order``: the reconciler re-drives
+    silent plannings in the same order)."""
     if not held:
         return 0
     stmt = (
         sa.update(Job)
-        .where(sa.tuple_(col(Job.id), col(Job.plan_claims)).in_(list(held)), col(Job.status) == JobStatus.PLANNING)
+        .where(in_id_order(col(Job.id), sa.tuple_(col(Job.id), col(Job.plan_claims)).in_(list(held)),
+                           col(Job.status) == JobStatus.PLANNING))
         .values(updated_at=utcnow())
     )
     return _rowcount(session.execute(stmt))
@@ -1262,18 +1264,22 @@ def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 50
 
 
 def jobs_stuck_planning(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:
+    """Jobs planning with no sign of life since ``older_than``, by id: the reconciler re-drives them one
+    statement each in one transaction, so in the order the heartbeat renews plannings (``renew_planning``)."""
     stmt = select(Job.id).where(Job.status == JobStatus.PLANNING, Job.updated_at < older_than)
-    return list(session.exec(stmt.limit(limit)))
+    return sorted(session.exec(stmt.limit(limit)))
 
 
 def running_job_ids(session: Session, *, older_than: datetime, limit: int = 500) -> list[str]:
     """Running jobs, least recently examined first; the reconciler touches each one it examines, so
     with more than ``limit`` running jobs successive passes rotate through all of them. The caller
-    commits at once: the touch locks those job rows, which every step outcome of theirs needs."""
+    commits at once: the touch locks those job rows, which every step outcome of theirs needs; by id
+    (``in_id_order``), as an overlapping pass touching the same jobs does."""
     stmt = select(Job.id).where(Job.status == JobStatus.RUNNING, Job.updated_at < older_than)
     ids = list(session.exec(stmt.order_by(col(Job.updated_at)).limit(limit)))
     if ids:
-        session.execute(sa.update(Job).where(col(Job.id).in_(ids)).values(updated_at=utcnow()))
+        touched = in_id_order(col(Job.id), col(Job.id).in_(ids))
+        session.execute(sa.update(Job).where(touched).values(updated_at=utcnow()))
     return ids
 
 

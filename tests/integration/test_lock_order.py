@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from conductor import engine
 from conductor.engine import cancel_job, settle_from_children
 from conductor.lease import Heartbeat
+from conductor.reconcile import reconcile_once
 from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, reserved_engine, session_scope, transaction
@@ -244,3 +245,99 @@ def child_job(parent_id: str, index: int) -> str:
                     finished_at=utcnow())
         store.insert_job(s, job=child)
         return child.id
+
+
+def test_the_heartbeat_renewing_plannings_and_the_reconciler_re_driving_them_take_them_in_one_order() -> None:
+    """The heartbeat touches every planning its process keeps alive in one UPDATE; the reconciler moves the
+    plannings that went silent back to queued, one statement each, in one transaction. Two plannings that
+    went silent (their worker stalled) while still held: the reconciler reads them oldest first (a, b)
+    and, before the fix, re-drove them in that order, while the heartbeat's sequential scan visits them in
+    page order (b, a): stopped after a, the reconciler waits for b, which the heartbeat holds while it waits
+    for a. Both now take them by id."""
+    long_ago = datetime(2000, 1, 1, tzinfo=UTC)
+
+    def attempt() -> tuple[tuple[str, str], bool]:
+        a, b = uuid.uuid4().hex, uuid.uuid4().hex
+        with session_scope() as s:  # b written first but silent for less long: b's row lies before a's
+            for job_id, silent_since in ((b, long_ago + timedelta(seconds=1)), (a, long_ago)):
+                store.insert_job(s, job=Job(id=job_id, tenant="lock-order", task="lock order", pool="sim",
+                                            pool_config={}, planner="p", limits={}, meta={}, plan_claims=1,
+                                            status=JobStatus.PLANNING, started_at=long_ago, updated_at=silent_since))
+        at = places("job", [a, b])
+        return (a, b), at[b] < at[a]
+
+    a, b = craft(attempt)
+    ours = {a, b}
+    paused, go_on = threading.Event(), threading.Event()
+    transition_job = store.transition_job
+
+    def re_driving_one_at_a_time(session: Any, *, job_id: str, **kwargs: Any) -> bool:
+        moved = transition_job(session, job_id=job_id, **kwargs)
+        if threading.current_thread().name == "reconcile" and job_id in ours and not paused.is_set():
+            paused.set()
+            assert go_on.wait(30)
+        return moved
+
+    heartbeat = Heartbeat(300.0)  # its own thread's first beat is 100 s away
+    store.transition_job = re_driving_one_at_a_time
+    try:
+        with (heartbeat.planning(a, 1), heartbeat.planning(b, 1),
+              plans_pinned({"heartbeat": SEQUENTIAL, "reconcile": BY_INDEX})):
+            passing = Racer("reconcile", lambda: reconcile_once(get_settings()))
+            beat = Racer("heartbeat", heartbeat.beat)
+            passing.start()
+            assert paused.wait(60)  # one planning re-driven, the other not yet
+            beat.start()
+            wait_lock_waiters(1)  # the heartbeat, at a (before the fix, holding b)
+            go_on.set()
+            finish(passing, beat)
+    finally:
+        store.transition_job = transition_job
+    with session_scope() as s:
+        jobs = [store.get_job(s, job_id=j) for j in ours]
+    assert [j.status if j else None for j in jobs] == [JobStatus.QUEUED] * 2  # re-driven, both
+
+
+def test_two_reconciler_passes_touching_the_running_jobs_take_them_in_one_order() -> None:
+    """Each pass touches the running jobs it examines in one UPDATE; two passes overlap when one runs long.
+    Three running jobs whose ids and places in the table disagree: one pass's sequential scan visits them
+    in page order (h, m, r), the other's index scan in id order (r, h, m). Stopped at m (held by a third
+    transaction), the first holds h while the second takes r and waits for h; let go, the first takes m
+    and waits for r: a deadlock, before the fix. Both now lock them by id."""
+    long_ago = datetime(2000, 1, 1, tzinfo=UTC)
+
+    def attempt() -> tuple[tuple[str, str, str], bool]:
+        # The least recently examined of all running jobs, and the first by id (the other running jobs each
+        # pass takes may lie anywhere in the table: the second pass must meet these before any of them).
+        prefix = f"{'0' * 8}{uuid.uuid4().hex[:21]}"
+        r, h, m = (f"{prefix}{n:03d}" for n in range(3))
+        with session_scope() as s:
+            for job_id in (h, m, r):
+                store.insert_job(s, job=Job(id=job_id, tenant="lock-order", task="lock order", pool="sim",
+                                            pool_config={}, planner="p", limits={}, meta={},
+                                            status=JobStatus.RUNNING, updated_at=long_ago))
+        at = places("job", [r, h, m])
+        if at[h] < at[m] < at[r]:
+            return (r, h, m), True
+        with session_scope() as s:  # out of the way of the next attempt's
+            for job_id in (r, h, m):
+                store.transition_job(s, job_id=job_id, from_=[JobStatus.RUNNING], to=JobStatus.SUCCEEDED)
+        return (r, h, m), False
+
+    r, h, m = craft(attempt)
+    touched: dict[str, list[str]] = {}
+
+    def touch(name: str) -> Callable[[], None]:
+        def run() -> None:
+            with session_scope() as s:
+                touched[name] = store.running_job_ids(s, older_than=utcnow())
+        return run
+
+    with plans_pinned({"pass 1": SEQUENTIAL, "pass 2": BY_INDEX}), row_held("job", m):
+        first, second = Racer("pass 1", touch("pass 1")), Racer("pass 2", touch("pass 2"))
+        first.start()
+        wait_lock_waiters(1)  # the first pass, at m
+        second.start()
+        wait_lock_waiters(2)  # and the second, at h (before the fix) or r (now)
+    finish(first, second)
+    assert all({r, h, m} <= set(ids) for ids in touched.values())
