@@ -229,10 +229,13 @@ def _webhooks_due(s: Session, *, now: datetime, stale_s: float, since: datetime)
     but never consumed (re-sent with the same exponential backoff as steps). Also whether every owed
     delivery found was written (fewer than a pass's limit were owed)."""
     owed = webhook_store.ended_jobs_without_delivery(s, since=since, limit=BACKFILL_LIMIT)
-    for job_id in owed:
+    # One transaction writes or notes many rows, one statement each: by id, so that an overlapping pass
+    # (or its marking of what it sent, store.webhooks.mark_sent) waits for this one's rows in the same order.
+    for job_id in sorted(owed):
         webhook_store.backfill_job_end(s, job_id=job_id)
     due_now = []
-    for delivery in webhook_store.deliveries_due(s, now=now, grace_s=ENQUEUE_GRACE_S):
+    due_rows = webhook_store.deliveries_due(s, now=now, grace_s=ENQUEUE_GRACE_S)  # the oldest due first
+    for delivery in sorted(due_rows, key=lambda d: d.id):
         if delivery.sent_at is None:
             due_now.append(delivery.id)
         elif due(delivery.sent_at, delivery.resends, stale_s, now):

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from conductor.sealed import SealError, needs_sealing, seal, unseal
+from conductor.store.db import in_id_order
 from conductor.store.models import (
     DeliveryStatus,
     Job,
@@ -232,9 +233,13 @@ def pending_unsent(session: Session, *, job_id: str) -> list[str]:
 
 
 def mark_sent(session: Session, *, delivery_ids: Sequence[str], due_at: datetime) -> None:
+    """Notes that the messages of these deliveries were sent, locking them by id (``in_id_order``): a
+    reconciler pass notes its re-sends in the same order."""
     if delivery_ids:
         session.execute(
-            sa.update(WebhookDelivery).where(col(WebhookDelivery.id).in_(list(delivery_ids))).values(sent_at=due_at)
+            sa.update(WebhookDelivery)
+            .where(in_id_order(col(WebhookDelivery.id), col(WebhookDelivery.id).in_(list(delivery_ids))))
+            .values(sent_at=due_at)
         )
 
 

@@ -27,11 +27,12 @@ import sqlalchemy as sa
 from conductor import engine
 from conductor.engine import cancel_job, settle_from_children
 from conductor.lease import Heartbeat
-from conductor.reconcile import reconcile_once
+from conductor.reconcile import _webhooks_due, reconcile_once
 from conductor.settings import get_settings
 from conductor.store import jobs as store
+from conductor.store import webhooks as webhook_store
 from conductor.store.db import get_engine, reserved_engine, session_scope, transaction
-from conductor.store.models import Job, JobStatus, StepStatus, utcnow
+from conductor.store.models import Job, JobStatus, StepStatus, WebhookDelivery, utcnow
 from conductor.submission import JobCreate, create_job
 from conductor.workflow import CONDUCTOR_AGENT
 
@@ -341,3 +342,60 @@ def test_two_reconciler_passes_touching_the_running_jobs_take_them_in_one_order(
         wait_lock_waiters(2)  # and the second, at h (before the fix) or r (now)
     finish(first, second)
     assert all({r, h, m} <= set(ids) for ids in touched.values())
+
+
+def test_a_reconciler_noting_webhook_resends_and_another_pass_sending_them_take_them_in_one_order() -> None:
+    """A reconciler pass notes each webhook delivery it re-sends (one statement each, oldest due first) in
+    its transaction; another pass overlapping it marks the deliveries it sent in one UPDATE (by id, or in
+    page order). Two deliveries, the one with the larger id due first: the first pass notes it and, before
+    the fix, then the other, while the second pass marks the other and waits for the first: a deadlock.
+    Both now take them by id."""
+    long_ago = datetime(2000, 1, 1, tzinfo=UTC)
+
+    def attempt() -> tuple[tuple[str, str], bool]:
+        prefix = uuid.uuid4().hex[:28]
+        low, high = f"msg_{prefix}0000", f"msg_{prefix}0001"
+        for delivery_id, due_at in ((low, long_ago + timedelta(seconds=1)), (high, long_ago)):
+            job_id = running_job(tenant="lock-order-hooks")
+            cancel_job(job_id)  # no webhook URL: no delivery of its own
+            with session_scope() as s:  # its message sent long ago and never taken: to be re-sent
+                s.add(WebhookDelivery(id=delivery_id, job_id=job_id, tenant="lock-order-hooks",
+                                      url="https://example.com/hook", event_type="job.cancelled",
+                                      next_attempt_at=due_at, sent_at=long_ago))
+        at = places("webhook_delivery", [low, high])
+        return (low, high), at[low] < at[high]  # page order is id order, whichever plan marks them
+
+    low, high = craft(attempt)
+    paused, go_on = threading.Event(), threading.Event()
+    note_resend = webhook_store.note_resend
+
+    def noting_one_at_a_time(session: Any, *, delivery_id: str, **kwargs: Any) -> None:
+        note_resend(session, delivery_id=delivery_id, **kwargs)
+        if delivery_id in (low, high) and not paused.is_set():
+            paused.set()
+            assert go_on.wait(30)
+
+    settings = get_settings()
+
+    def reconcile() -> None:
+        with session_scope() as s:
+            _webhooks_due(s, now=utcnow(), stale_s=settings.reconcile_stale_s, since=utcnow())
+
+    def send() -> None:
+        with session_scope() as s:
+            webhook_store.mark_sent(s, delivery_ids=[low, high], due_at=utcnow())
+
+    webhook_store.note_resend = noting_one_at_a_time
+    try:
+        passing, sending = Racer("reconcile", reconcile), Racer("send", send)
+        passing.start()
+        assert paused.wait(30)  # one delivery noted, the other not yet
+        sending.start()
+        wait_lock_waiters(1)
+        go_on.set()
+        finish(passing, sending)
+    finally:
+        webhook_store.note_resend = note_resend
+    with session_scope() as s:
+        rows = [s.get(WebhookDelivery, d) for d in (low, high)]
+    assert all(r is not None and r.resends == 1 for r in rows)
