@@ -133,9 +133,11 @@ EXPIRED_SESSIONS_PER_PASS = 1000
 def delete_expired_sessions(session: Session, *, now: datetime | None = None,
                             limit: int = EXPIRED_SESSIONS_PER_PASS) -> int:
     """Deletes up to ``limit`` viewer sessions past their expiry; returns how many. Signing in again drops
-    a key's own expired sessions; this drops those of keys that never sign in again."""
+    a key's own expired sessions; this drops those of keys that never sign in again. Rows another
+    transaction holds (a sign-in deleting its key's, in its own order) are skipped, never waited for: left
+    to that transaction or the next pass, so the two cannot deadlock."""
     expired = (sa.select(col(UiSession.token_hash)).where(col(UiSession.expires_at) <= (now or utcnow()))
-               .limit(limit).scalar_subquery())
+               .limit(limit).with_for_update(skip_locked=True).scalar_subquery())
     result = session.execute(sa.delete(UiSession).where(col(UiSession.token_hash).in_(expired)))
     return int(getattr(result, "rowcount", 0) or 0)
 
