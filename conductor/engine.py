@@ -1087,8 +1087,13 @@ def settle_from_children(job_id: str) -> Dispatch:
     """For the reconciler: recursive steps whose child job already ended but never resumed this job
     (the child's finalize was lost) are settled now. Under the job row's lock, like every transaction that
     writes several of a job's steps: a cancel or failure of the job closing them meanwhile (which holds
-    that lock) waits for it, or it for them, instead of each holding a step the other needs."""
+    that lock) waits for it, or it for them, instead of each holding a step the other needs. The lock is
+    taken only when such a step exists (most running jobs have none, and a pass reaches up to 500 of them:
+    each lock would wait for, and hold up, that job's step outcomes); the steps are read again under it."""
     dispatch = Dispatch()
+    with session_scope() as s:
+        if not store.running_steps_with_children(s, job_id=job_id):
+            return dispatch
     with session_scope() as s:
         store.lock_job(s, job_id=job_id)
         waiting = store.running_steps_with_children(s, job_id=job_id)  # by id
