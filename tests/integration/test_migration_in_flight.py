@@ -1,16 +1,19 @@
-"""Migration 0011 on a database that already holds jobs (every deployment that upgrades): the tenants'
+"""Migrations 0011 and 0020 on a database that already holds jobs (every deployment that upgrades): the tenants'
 in-flight rows start from a count of their unfinished top-level jobs, and downgrading removes what it
 added. Runs on a database of its own, created and dropped here."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
 from alembic import command
 
 from conductor.migrations.migrate import alembic_config, upgrade
+from conductor.settings import get_settings
 from tests.integration.harness import scratch_database
 
 
@@ -90,3 +93,43 @@ def test_0020_leaves_a_batchs_lines_out_of_the_count_and_its_downgrade_counts_th
         assert _rows(engine) == {"alpha": 3}
     finally:
         engine.dispose()
+
+
+def test_0020_beside_a_transaction_that_locked_a_job_row_and_then_writes_it(
+        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step outcome's shape: the job's row locked (SELECT ... FOR UPDATE: ROW SHARE on job), then the job
+    written (ROW EXCLUSIVE). 0020 must wait for that transaction, never deadlock with it: a lock it held on
+    job while asking for a stronger one (SHARE ROW EXCLUSIVE, then DROP TRIGGER's ACCESS EXCLUSIVE) was one
+    the outcome's UPDATE waited for while the migration waited for the outcome's ROW SHARE."""
+    monkeypatch.setenv("CONDUCTOR_MIGRATION_LOCK_TIMEOUT_S", "20")
+    get_settings.cache_clear()
+    upgrade(url, "0019_metrics_rollup")
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    errors: list[BaseException] = []
+    migration = threading.Thread(target=lambda: _catching(errors, lambda: upgrade(url)), daemon=True)
+    try:
+        with engine.begin() as conn:
+            _job(conn, "a0", "alpha", "running")
+        with engine.connect() as outcome, engine.connect().execution_options(isolation_level="AUTOCOMMIT") as obs:
+            outcome.exec_driver_sql("SELECT id FROM job WHERE id = 'a0' FOR UPDATE").all()
+            migration.start()
+            deadline = time.monotonic() + 30
+            while not obs.exec_driver_sql(
+                    "SELECT count(*) FROM pg_locks WHERE relation = 'job'::regclass AND mode = 'AccessExclusiveLock' "
+                    "AND NOT granted").scalar() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            outcome.exec_driver_sql("UPDATE job SET status = 'succeeded' WHERE id = 'a0'")  # raised DeadlockDetected
+            outcome.commit()
+        migration.join(timeout=60)
+        assert not migration.is_alive() and errors == []
+        assert _rows(engine) == {}
+    finally:
+        engine.dispose()
+        get_settings.cache_clear()
+
+
+def _catching(errors: list[BaseException], fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except BaseException as exc:
+        errors.append(exc)

@@ -4,8 +4,9 @@ unfinished top-level jobs with no ``batch_id`` (conductor.store.models.LIVE_IN_F
 A batch of 1,000 lines (the default ``CONDUCTOR_BATCH_MAX_LINES``) put a tenant with the default limit of 200
 jobs in flight 800 past it: every live submission of that tenant was refused (429) until the batch had
 nearly ended, for hours. Batches are bounded by their own quota now (``CONDUCTOR_TENANT_MAX_OPEN_BATCHES``).
-The counts are taken again under the same table lock as 0011's (writes to ``job`` wait for the count: one
-pass over the partial index of unfinished top-level jobs). SQLite counts with the query and needs nothing.
+The counts are taken again under an ACCESS EXCLUSIVE lock on ``job`` (reads and writes of ``job`` wait for
+the count: one pass over the partial index of unfinished top-level jobs; DROP TRIGGER takes that lock anyway).
+SQLite counts with the query and needs nothing.
 
 Revision ID: 0020_batches_apart
 Revises: 0019_metrics_rollup
@@ -31,7 +32,10 @@ def _in_flight(row: str, batches: bool) -> str:
 def _count(batches: bool) -> None:
     """The triggers' function and triggers for this definition, and every tenant's row counted again."""
     old, new = _in_flight("OLD", batches), _in_flight("NEW", batches)
-    op.execute("LOCK TABLE job IN SHARE ROW EXCLUSIVE MODE")  # no job changes between the count and the triggers
+    # no job changes between the count and the triggers. ACCESS EXCLUSIVE from the start, the level DROP TRIGGER
+    # takes anyway: holding a weaker lock (0011's SHARE ROW EXCLUSIVE) while asking for it deadlocked with a
+    # transaction that had locked a job row (ROW SHARE) and then wrote job (ROW EXCLUSIVE), a step outcome
+    op.execute("LOCK TABLE job IN ACCESS EXCLUSIVE MODE")
     for trigger in ("insert", "delete", "update"):
         op.execute(f"DROP TRIGGER job_in_flight_{trigger} ON job")
     op.execute(f"""
