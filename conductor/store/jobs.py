@@ -1263,6 +1263,14 @@ def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 50
     return list(session.exec(stmt.order_by(col(Job.enqueued_at)).limit(limit)))
 
 
+def batch_lines(session: Session, *, job_ids: Sequence[str]) -> set[str]:
+    """Those of ``job_ids`` that are a batch's lines (``batch_id`` set): their plans go at the batch priority."""
+    if not job_ids:
+        return set()
+    stmt = select(Job.id).where(col(Job.id).in_(list(job_ids)), col(Job.batch_id).is_not(None))
+    return set(session.exec(stmt))
+
+
 def jobs_stuck_planning(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:
     """Jobs planning with no sign of life since ``older_than``, by id: the reconciler re-drives them one
     statement each in one transaction, so in the order the heartbeat renews plannings (``renew_planning``)."""

@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 BATCH_PRIORITY = 9
 """The plan message of a batch's line: the lowest of kombu's Redis priorities (0, 3, 6, 9; a worker's BRPOP
 asks for 0 first), so a planner worker takes every live submission's plan before a batch's, whatever the
-batch's size. Only the plan waits: once planned, a line's steps run as any job's. A plan the reconciler
-re-sends (a message lost, or never sent) goes at the default priority."""
+batch's size. Only the plan waits: once planned, a line's steps run as any job's. A line's plan the
+reconciler re-sends (a message lost, still waiting, or never sent) goes at this priority too."""
 COUNTDOWN_MAX_S = 300.0
 """Webhook retries due within this long wait in the broker as countdown messages. Later ones are sent by
 the reconciler when due: a Redis message held past its visibility timeout would be delivered twice, and

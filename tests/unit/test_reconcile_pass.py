@@ -18,7 +18,7 @@ from conductor.reconcile import reconcile_once
 from conductor.settings import Settings
 from conductor.store.db import session_scope
 from conductor.store.keys import create_key, create_session, delete_expired_sessions, tenant_for_session
-from conductor.store.models import UiSession, utcnow
+from conductor.store.models import Job, UiSession, utcnow
 from tests.sqlite_store import sqlite_store
 
 
@@ -198,3 +198,23 @@ def test_backfill_since_is_ten_minutes_before_the_last_complete_look_and_at_most
         assert reconcile.backfill_since(now) == now - timedelta(hours=24)
         mp.setattr(reconcile, "_backfilled_at", now + timedelta(minutes=1))  # a clock stepped back
         assert reconcile.backfill_since(now) == now - ten
+
+
+def test_a_batchs_lines_are_re_sent_at_the_batch_priority(settings: Settings) -> None:
+    """A batch's plan waits at the lowest priority behind every live plan, so it is often still queued after
+    ``reconcile_stale_s``: its re-send must keep that priority, or it would jump the live plans it waits
+    behind (and so would a line whose first send was missed)."""
+    now = utcnow()
+    with session_scope() as s:
+        def job(batch_id: str | None, enqueued_s: float | None) -> str:
+            row = Job(tenant="t", task="t", pool="default", planner="template", status="queued", batch_id=batch_id,
+                      created_at=now - timedelta(seconds=600),
+                      enqueued_at=None if enqueued_s is None else now - timedelta(seconds=enqueued_s))
+            s.add(row)
+            return row.id
+
+        waiting, never = job("batch_1", 400), job("batch_1", None)
+        live_waiting, live_never = job(None, 400), job(None, None)
+    _, dispatch = reconcile_once(settings)
+    assert sorted(dispatch.plan) == sorted([waiting, never, live_waiting, live_never])
+    assert dispatch.background == {waiting, never}
