@@ -93,15 +93,25 @@ def in_flight_refusal(running: int, settings: Settings) -> QuotaExceeded:
     )
 
 
-def check_open_batches(session: Session, tenant: str, settings: Settings) -> None:
-    """Refuses a new batch while the tenant already has ``tenant_max_open_batches`` in progress. The caller
-    holds the tenant's ``files`` lock (``lock_tenant(scope="files")``), which every batch creation takes."""
-    running = batches.open_batches(session, tenant=tenant)
-    if running >= settings.tenant_max_open_batches:
+class BatchTooLarge(ValueError):
+    """A batch with more lines than a tenant may ever have unfinished: waiting cannot admit it."""
+
+
+def check_batch_jobs_in_flight(session: Session, tenant: str, settings: Settings, *, lines: int) -> None:
+    """Refuses a batch of ``lines`` lines while the tenant's unfinished batch lines plus these would pass
+    ``tenant_max_batch_jobs_in_flight`` (QuotaExceeded, 429: wait); BatchTooLarge when ``lines`` alone
+    would. The caller holds the tenant's ``files`` lock (``lock_tenant(scope="files")``), which every batch
+    creation takes, so two batches cannot both take the last places."""
+    limit = settings.tenant_max_batch_jobs_in_flight
+    if lines > limit:
+        raise BatchTooLarge(f"the batch has {lines} lines; a tenant may have at most {limit} batch lines "
+                            "unfinished (CONDUCTOR_TENANT_MAX_BATCH_JOBS_IN_FLIGHT): split the file")
+    running = batches.unfinished_lines(session, tenant=tenant)
+    if running + lines > limit:
         raise QuotaExceeded(
-            "Too many batches in progress",
-            f"this tenant has {running} batches in progress; the limit is {settings.tenant_max_open_batches}. "
-            "Wait for one to end (or cancel one)",
+            "Too many batch jobs in flight",
+            f"this tenant has {running} unfinished batch lines and this batch has {lines}; the limit is "
+            f"{limit}. Wait for some to end (or cancel a batch)",
             IN_FLIGHT_RETRY_AFTER_S,
         )
 
@@ -226,6 +236,17 @@ def close_stream(tenant: str, slot: str, settings: Settings) -> None:
             log.warning("stream slot not released (it expires by itself): %s", exc)
 
 
-__all__ = ["Admission", "QuotaExceeded", "admission", "check_jobs_in_flight", "check_open_batches",
-           "check_submit_rate", "close_stream", "in_flight_refusal", "lapsed_stream_message", "open_stream",
-           "refresh_stream"]
+__all__ = [
+    "Admission",
+    "BatchTooLarge",
+    "QuotaExceeded",
+    "admission",
+    "check_batch_jobs_in_flight",
+    "check_jobs_in_flight",
+    "check_submit_rate",
+    "close_stream",
+    "in_flight_refusal",
+    "lapsed_stream_message",
+    "open_stream",
+    "refresh_stream",
+]

@@ -147,10 +147,11 @@ class Settings(BaseSettings):
     """Submissions the tenant may make at once after an idle spell (default: the per-minute rate)."""
     tenant_max_jobs_in_flight: int = Field(default=200, ge=1)
     """Top-level jobs not yet ended (queued, planning or running), a batch's lines not counted."""
-    tenant_max_open_batches: int = Field(default=10, ge=1, le=10_000)
-    """Batches in progress (or cancelling) at once. A batch's lines run apart from the live quota above,
-    at a lower priority on the broker: this bounds them, to ``tenant_max_open_batches * batch_max_lines``
-    jobs (10,000 by default)."""
+    tenant_max_batch_jobs_in_flight: int = Field(default=2_000, ge=1, le=1_000_000)
+    """A batch's lines not yet ended. They run apart from the live quota above, behind live plans on the
+    broker; a batch is admitted while the tenant's unfinished lines plus its input file's lines fit (two
+    batches of the default ``batch_max_lines`` at once): a tenant then has at most this many plus
+    ``tenant_max_jobs_in_flight`` jobs unfinished."""
     tenant_max_streams: int = Field(default=10, ge=1)
     """Open ``GET /v1/jobs/{id}/events`` streams per tenant."""
     max_tree_steps: int = Field(default=60, ge=1)

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import QueryableAttribute, defer
 from sqlmodel import Session, col, select
 
-from conductor.store.models import Batch, BatchRequest, BatchStatus, Job, JobStatus, StoredFile
+from conductor.store.models import IN_FLIGHT_SQL, Batch, BatchRequest, BatchStatus, Job, JobStatus, StoredFile
 
 _CONTENT = cast("QueryableAttribute[Any]", StoredFile.content)
 
@@ -40,6 +40,14 @@ def open_batches(session: Session, *, tenant: str) -> int:
     """The tenant's batches still running: each will write its output and error files when it ends."""
     return int(session.execute(sa.select(sa.func.count()).select_from(Batch).where(
         col(Batch.tenant) == tenant, col(Batch.status).in_(BatchStatus.OPEN))).scalar_one())
+
+
+def unfinished_lines(session: Session, *, tenant: str) -> int:
+    """The tenant's batch lines whose job has not ended (the partial index of unfinished top-level jobs
+    serves it: one entry per live job and unfinished line, whatever the tenant's history)."""
+    stmt = sa.select(sa.func.count()).select_from(Job).where(
+        col(Job.tenant) == tenant, sa.text(IN_FLIGHT_SQL), col(Job.batch_id).is_not(None))
+    return int(session.execute(stmt).scalar_one())
 
 
 def delete_file(session: Session, *, file_id: str, tenant: str) -> bool:

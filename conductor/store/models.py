@@ -83,7 +83,7 @@ IN_FLIGHT_SQL = "parent_job_id IS NULL AND status IN ('queued', 'planning', 'run
 when the planner can match its predicate, which a bound parameter would prevent."""
 LIVE_IN_FLIGHT_SQL = IN_FLIGHT_SQL + " AND batch_id IS NULL"
 """What the tenant's jobs-in-flight quota counts: unfinished top-level jobs that are not a batch's lines (a
-batch is bounded by its own quota, ``tenant_max_open_batches``, so it never holds up the tenant's live
+batch is bounded by its own quota, ``tenant_max_batch_jobs_in_flight``, so it never holds up the tenant's live
 submissions). Kept on Postgres by the triggers of migration 0020; counted elsewhere (the partial index of
 ``IN_FLIGHT_SQL`` serves it: the predicate implies the index's)."""
 QUEUED_SQL = "status = 'queued'"

@@ -37,7 +37,7 @@ def wf(agents: list[str]) -> dict[str, Any]:
 def quota_api(proc_env: dict[str, str], workers: list[Proc]) -> Iterator[str]:
     env = {**proc_env, "CONDUCTOR_TENANT_SUBMITS_PER_MINUTE": str(SUBMITS_PER_MINUTE),
            "CONDUCTOR_TENANT_MAX_JOBS_IN_FLIGHT": str(IN_FLIGHT), "CONDUCTOR_TENANT_MAX_STREAMS": "1",
-           "CONDUCTOR_TENANT_MAX_OPEN_BATCHES": "1"}
+           "CONDUCTOR_TENANT_MAX_BATCH_JOBS_IN_FLIGHT": str(IN_FLIGHT + 1)}
     proc, url = start_api(env)
     yield url
     proc.stop()
@@ -45,6 +45,19 @@ def quota_api(proc_env: dict[str, str], workers: list[Proc]) -> Iterator[str]:
 
 def tenant_client(url: str, tenant: str) -> httpx.Client:
     return tenant_client_for_key(url, new_key(tenant))
+
+
+def test_a_batch_larger_than_the_batch_quota_is_refused_as_a_400_saying_to_split_it(quota_api: str) -> None:
+    lines = "".join(json.dumps({"custom_id": f"s{n}", "method": "POST", "url": "/v1/jobs",
+                                "body": {"task": "t", "workflow": wf(["a"])}}) + "\n" for n in range(IN_FLIGHT + 2))
+    with openai.OpenAI(base_url=f"{quota_api}/v1", api_key=new_key("batcher-big"), max_retries=0) as client:
+        uploaded = client.files.create(file=("big.jsonl", lines.encode()), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as refused:  # waiting would never admit it: not a 429
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+        assert refused.value.code == "invalid_file"
+        assert f"has {IN_FLIGHT + 2} lines; a tenant may have at most {IN_FLIGHT + 1}" in str(refused.value)
+        assert "split the file" in str(refused.value)
+        assert client.batches.list().data == []
 
 
 def tenant_client_for_key(url: str, key: str) -> httpx.Client:
@@ -97,9 +110,9 @@ def test_a_batch_runs_apart_from_the_live_jobs_in_flight_quota(quota_api: str) -
         assert [r.status_code for r in live] == [202] * IN_FLIGHT, [r.text for r in live]
         assert_429(http.post("/v1/jobs", json={"task": "t", "workflow": wf(["a"])}), "Too many jobs in flight")
 
-        with pytest.raises(openai.RateLimitError) as refused:  # the tenant's one open batch is running
+        with pytest.raises(openai.RateLimitError) as refused:  # its lines and these would pass the batch quota
             client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
-        assert "1 batches in progress; the limit is 1" in str(refused.value)
+        assert f"has {IN_FLIGHT + 1} unfinished batch lines and this batch has {IN_FLIGHT + 1}" in str(refused.value)
         assert client.batches.cancel(batch.id).status == "cancelled"
         again = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
         assert client.batches.cancel(again.id).status == "cancelled"

@@ -3,7 +3,7 @@ unfinished top-level jobs with no ``batch_id`` (conductor.store.models.LIVE_IN_F
 
 A batch of 1,000 lines (the default ``CONDUCTOR_BATCH_MAX_LINES``) put a tenant with the default limit of 200
 jobs in flight 800 past it: every live submission of that tenant was refused (429) until the batch had
-nearly ended, for hours. Batches are bounded by their own quota now (``CONDUCTOR_TENANT_MAX_OPEN_BATCHES``).
+nearly ended, for hours. Batches are bounded by their own quota now (``CONDUCTOR_TENANT_MAX_BATCH_JOBS_IN_FLIGHT``).
 The counts are taken again under an ACCESS EXCLUSIVE lock on ``job`` (reads and writes of ``job`` wait for
 the count: one pass over the partial index of unfinished top-level jobs; DROP TRIGGER takes that lock anyway).
 SQLite counts with the query and needs nothing.

@@ -18,7 +18,7 @@ from sqlmodel import Session
 
 from conductor.batches import BatchFileError, cancel_batch, create_batch, finish_if_done
 from conductor.openai_wire import BatchCreate, BatchList, BatchObject, RequestCounts
-from conductor.quotas import admission, check_open_batches
+from conductor.quotas import BatchTooLarge, admission, check_batch_jobs_in_flight
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
 from conductor.service.routes.files import check_file_quota, file_or_404
@@ -89,14 +89,18 @@ def create(
     if input_file.purpose != "batch":
         raise OpenAIError(400, f"file {input_file.id} is not a batch input file (purpose '{input_file.purpose}')",
                           param="input_file_id", code="invalid_file")
-    # A batch is one submission: refused (429) while the tenant is over its rate, or already has
-    # tenant_max_open_batches in progress. Its lines do not count against the jobs-in-flight quota of live
-    # submissions, and their plans wait behind live ones on the broker (lower priority).
+    # A batch is one submission: refused (429) while the tenant is over its rate, or while its unfinished
+    # batch lines and this file's would pass tenant_max_batch_jobs_in_flight. Its lines do not count against
+    # the jobs-in-flight quota of live submissions, and their plans wait behind live ones on the broker.
     admission(tenant, settings).check_rate()
     # Its output and error files are written when it ends, whatever the quota then: the room is asked now,
     # counting what the tenant's running batches will write, under the lock uploads take (and batches).
     lock_tenant(session, tenant=tenant, scope="files")
-    check_open_batches(session, tenant, settings)
+    try:
+        check_batch_jobs_in_flight(session, tenant, settings, lines=input_file.lines)
+    except BatchTooLarge as exc:
+        raise OpenAIError(400, f"file {input_file.id} cannot be run as a batch: {exc}", param="input_file_id",
+                          code="invalid_file", headers=NO_RETRY) from exc
     check_file_quota(session, tenant, settings, files=2, size=0, what="with a batch's output and error files",
                      param="input_file_id")
     try:
