@@ -175,8 +175,21 @@ class BatchedTaskEvents(bootsteps.StartStopStep):
             c._conductor_events_timer = None
 
 
+class ConductorCelery(Celery):
+    """The Celery app whose messages sent by name (``send_task``: every send of ``conductor/tasks/send.py``,
+    beat's and embedded mode's) follow ``task_ignore_result`` as a task's own ``apply_async`` does. Celery's
+    ``send_task`` otherwise subscribes, on the result backend, to the result channel of each message it
+    sends, and the ``AsyncResult`` it returns unsubscribes when collected: two Redis commands per message
+    for a result that is never stored, and on a gevent worker a collection inside the hub made the
+    unsubscribe raise ``BlockingSwitchOutError`` (a traceback in the log, the channel left subscribed)."""
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        options.setdefault("ignore_result", self.conf.task_ignore_result)
+        return super().send_task(name, args, kwargs, **options)
+
+
 def create_app(settings: Settings | None = None) -> Celery:
-    app = Celery("conductor", include=["conductor.tasks.jobs", "conductor.tasks.webhooks"])
+    app = ConductorCelery("conductor", include=["conductor.tasks.jobs", "conductor.tasks.webhooks"])
     app.conf.update(celery_config(settings or get_settings()))
     app.steps["consumer"].add(BatchedTaskEvents)
     return app
