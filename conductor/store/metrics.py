@@ -7,7 +7,8 @@ history (17.8 s at 1.66M jobs and 6M attempts), so ended work is folded once int
 - a job, with its steps and their attempts, once it ended ``settle`` ago and none of its provider calls is
   still open (``roll_up_jobs``): a cancelled or failed job's call in flight still closes its attempt and adds
   its usage when it returns, and a superseded planning its planner's usage, so a job with an open attempt
-  or a planning that may still run waits ``abandoned`` (the longest a live worker may still write) instead;
+  or a planning that may still run waits ``abandoned`` (the longest a live worker may still write) instead,
+  and an attempt still open then (its worker died) is closed as ``worker_lost`` as the job is folded;
 - a webhook delivery, with its attempts, once it ended (``roll_up_deliveries``): deliveries go on after
   their job ended, so they are folded by their own state.
 
@@ -35,6 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col
 
+from conductor.errors import ErrorType
 from conductor.store.models import (
     LATENCY_BUCKETS_S,
     METRICS_ROLLUP,
@@ -53,8 +55,8 @@ CONDUCTOR_AGENT = "conductor"  # the reserved agent (conductor.workflow's consta
 ATTEMPT_OK = "ok"
 ENDED_DELIVERIES = (DeliveryStatus.DELIVERED, DeliveryStatus.FAILED, DeliveryStatus.DISABLED)
 
-__all__ = ["LATENCY_BUCKETS_S", "LatencyHistogram", "StoreAggregates", "add_late_usage", "read_aggregates",
-           "roll_up_deliveries", "roll_up_jobs", "scrape_statements", "settled_jobs"]
+__all__ = ["LATENCY_BUCKETS_S", "LatencyHistogram", "StoreAggregates", "add_late_usage", "close_abandoned_attempts",
+           "read_aggregates", "roll_up_deliveries", "roll_up_jobs", "scrape_statements", "settled_jobs"]
 
 
 @dataclass(frozen=True)
@@ -294,11 +296,14 @@ def roll_up_jobs(session: Session, *, settled_before: datetime, abandoned_before
     caller's transaction (commit it: the sums and the marks land together or not at all). A job is taken
     once it ended before ``settled_before`` with none of its attempts open and no planning that may still
     be running (one was re-driven, or the job ended before its plan was recorded), else once it ended
-    before ``abandoned_before`` (the worker of what is still open is gone). Returns how many were folded."""
+    before ``abandoned_before`` (the worker of what is still open is gone): its attempts still open are then
+    closed as ``worker_lost`` (``close_abandoned_attempts``) and counted so. Returns how many were folded."""
+    now = now or utcnow()
     ids = _mark(session, Job, list(session.execute(settled_jobs(settled_before, abandoned_before, limit)).scalars()),
-                now or utcnow())
+                now)
     if ids:
         jobs = col(Job.id).in_(ids)
+        close_abandoned_attempts(session, job_ids=ids, now=now)
         _fold(session, [(JOBS, _job_scan(jobs)), (STEPS, _step_scan(jobs)), (ATTEMPTS, _attempt_scan(jobs))])
     return len(ids)
 
@@ -326,6 +331,28 @@ def settled_jobs(settled_before: datetime, abandoned_before: datetime, limit: in
         .limit(limit)
         .with_for_update(skip_locked=True, key_share=True)
     )
+
+
+ABANDONED_ATTEMPT = ("its worker stopped before the call ended and nothing else closed the attempt (its step had "
+                     "ended with its job); closed when the job's metrics were folded")
+
+
+def close_abandoned_attempts(session: Session, *, job_ids: Sequence[str], now: datetime) -> int:
+    """Closes, as ``worker_lost``, the attempts still open on ``job_ids`` (ended jobs the fold takes). Such an
+    attempt's worker died mid-call after its step had ended with its job (the job was cancelled or failed
+    meanwhile, before or after the death): no re-claim closes it (the step is not run again) and its
+    worker never returns, so it stayed open for ever, shown running by the API and counted nowhere.
+    Only jobs past ``abandoned_before`` have any (``settled_jobs``). A worker that does return after all
+    (a call stuck past its timeout) finds it closed (``finish_attempt`` is fenced) and still adds its usage
+    (``add_late_usage``)."""
+    steps = sa.select(col(Step.id)).where(col(Step.job_id).in_(list(job_ids)))
+    closed = session.execute(
+        sa.update(StepAttempt)
+        .where(col(StepAttempt.step_id).in_(steps), col(StepAttempt.finished_at).is_(None))
+        .values(finished_at=now, error_type=ErrorType.WORKER_LOST, error=ABANDONED_ATTEMPT)
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(closed, "rowcount", 0) or 0)
 
 
 def roll_up_deliveries(session: Session, *, settled_before: datetime, limit: int, now: datetime | None = None) -> int:

@@ -9,7 +9,7 @@ import time
 
 import sqlalchemy as sa
 
-from conductor.engine import _record_success, plan_job, run_step
+from conductor.engine import _record_success, cancel_job, plan_job, run_step
 from conductor.lease import Heartbeat
 from conductor.pool.base import Completion
 from conductor.pool.errors import RateLimited
@@ -17,7 +17,8 @@ from conductor.retry import RetryPolicy
 from conductor.settings import MAX_RETRY_AFTER_S, get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope, transaction
-from conductor.store.models import JobStatus, StepStatus, utcnow
+from conductor.store.metrics import read_aggregates, roll_up_jobs
+from conductor.store.models import JobStatus, StepAttempt, StepStatus, utcnow
 from conductor.submission import JobCreate, create_job
 from conductor.tasks.app import celery_config
 
@@ -74,6 +75,48 @@ def test_a_worker_that_lost_its_step_adds_its_usage_and_cannot_rewrite_its_attem
     assert job.status == JobStatus.SUCCEEDED and job.input_tokens == step.input_tokens
     first = next(a for a in attempts if a.id == stale_attempt)
     assert first.error_type == "worker_lost" and first.latency_ms is None  # not rewritten by the stale worker
+
+
+def test_the_open_attempt_of_a_worker_that_died_on_an_ended_job_is_closed_when_the_job_is_folded() -> None:
+    """A worker dies mid-call and its job is cancelled (before its lease lapsed or after: the chaos soak,
+    bench/soak.py, met both): no re-claim closes its attempt, since the step ended with the job, and it was
+    left open for ever (the API showed it running; /metrics counted it nowhere). The rollup, which folds
+    such a job once ``metrics_abandoned_s`` has passed (its worker is gone), closes it as ``worker_lost``."""
+    settings = get_settings()
+    tenant = "stale-abandoned"
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "dies mid-call", "workflow": {
+            "model_ids": ["slowish"], "subtasks": ["s"], "access_lists": [[]]}}), tenant=tenant, settings=settings)
+        job_id = job.id
+    plan_job(job_id, settings=settings)
+
+    def claim_and_die(s: sa.orm.Session) -> int:
+        claim = store.claim_step_row(s, job_id=job_id, index=0, owner="doomed#1", lease_s=30, task_id=None,
+                                     count_attempt=True)
+        assert claim is not None
+        return store.open_attempt(s, step_id=claim.step_id, n=1, worker="doomed#1")
+
+    attempt_id = transaction(claim_and_die)  # ... and the worker is SIGKILLed: nothing of it returns
+    assert cancel_job(job_id)
+
+    def attempt() -> StepAttempt:
+        with session_scope() as s:
+            found = s.get(StepAttempt, attempt_id)
+            assert found is not None
+            s.expunge(found)
+            return found
+
+    assert attempt().finished_at is None
+    with session_scope() as s:  # past metrics_abandoned_s: the fold takes the job (and the suite's ended ones)
+        while roll_up_jobs(s, settled_before=utcnow(), abandoned_before=utcnow(), limit=1000) == 1000:
+            pass
+    closed = attempt()
+    assert closed.finished_at is not None and closed.error_type == "worker_lost"
+    with session_scope() as s:
+        job = store.get_job(s, job_id=job_id)
+        aggregates = read_aggregates(s, tenant=tenant)
+    assert job is not None and job.metrics_rolled_up_at is not None
+    assert aggregates.attempts == [(tenant, "slowish", "worker_lost", 1)]
 
 
 def test_a_claim_that_raises_fails_its_step_instead_of_looping() -> None:

@@ -199,8 +199,9 @@ def test_work_that_may_still_be_written_is_not_folded_until_it_may_not(settings:
 
 
 def test_an_abandoned_open_attempt_lets_its_job_be_folded(settings: Settings) -> None:
-    """A worker that died mid-call leaves its attempt open for ever (not counted): the job is folded once
-    ``metrics_abandoned_s`` has passed."""
+    """A worker that died mid-call on a job that ended (cancelled) leaves its attempt open, not counted: the
+    job is folded once ``metrics_abandoned_s`` has passed, and the attempt closed then as ``worker_lost``
+    (counted so); nothing else changes."""
     job_id = add_job("tenant-a", "cancelled", ended_ago_s=HOUR, open_attempt=True,
                      steps=(("b", "cancelled", None, ("rate_limited",)),))
     before = scrape()
@@ -208,7 +209,13 @@ def test_an_abandoned_open_attempt_lets_its_job_be_folded(settings: Settings) ->
     assert roll_up_metrics(settings.model_copy(update={"metrics_abandoned_s": 1800.0}), now=utcnow()) == {
         "metrics_rolled_up_jobs": 1, "metrics_rolled_up_deliveries": 0}
     assert rolled_up([job_id]) == {job_id}
-    assert_same(before, scrape())
+    with session_scope() as s:
+        outcomes = s.exec(select(StepAttempt.n, StepAttempt.error_type).join(Step).where(Step.job_id == job_id)
+                          .order_by(col(StepAttempt.n))).all()
+    assert [tuple(o) for o in outcomes] == [(1, "rate_limited"), (2, "worker_lost")]
+    lost = ("conductor_step_attempts_total", (("agent", "b"), ("outcome", "worker_lost"), ("tenant", "tenant-a")))
+    assert lost not in before
+    assert_same({**before, lost: 1.0}, scrape())
 
 
 def test_a_pass_folds_in_batches_within_its_budget(settings: Settings) -> None:
