@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -419,11 +420,40 @@ def run(
     err = err or sys.stderr
     started = time.monotonic()
     with embedded_session(pool, data_dir=data_dir, err=err) as session:
-        job_id = session.submit(_job_body(task, planner=planner))
-        print(f"job {job_id} submitted (pool {session.pool.name}); worker log: {session.log_path}",
-              file=err, flush=True)
-        job = _watch(job_id, err, started, session.settings)
+        body = _job_body(task, planner=planner)
+        # noted from before the submission: the in-process worker may start the job (holding the GIL) before
+        # _watch listens, and a SIGTERM or SIGHUP in between killed the process and left the job running
+        with _signals_noted() as noted:
+            job_id = session.submit(body)
+            print(f"job {job_id} submitted (pool {session.pool.name}); worker log: {session.log_path}",
+                  file=err, flush=True)
+            job = _watch(job_id, err, started, session.settings, noted=noted)
         return _report(job, session.directory, out, err, started)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def _signals_noted() -> Iterator[list[signal.Signals]]:
+    """Until ``_watch`` listens: Ctrl-C, a kill or a closed terminal is noted instead of acted on, and
+    ``_watch`` then cancels the job for it at once. Acted on, a SIGTERM or SIGHUP killed the process (its
+    default action) and left the job to run, found by the next run on the data directory; a Ctrl-C
+    interrupted the submission half-way. Outside the main thread (no signals there) nothing."""
+    noted: list[signal.Signals] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+
+    def note(signum: int, _frame: Any) -> None:
+        noted.append(signal.Signals(signum))
+
+    previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
+    try:
+        yield noted
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @dataclass
@@ -573,9 +603,11 @@ def _submit(body: Any, *, settings: Settings) -> str:
     return job_id
 
 
-def _watch(job_id: str, err: TextIO, started: float, settings: Settings) -> Any:
+def _watch(job_id: str, err: TextIO, started: float, settings: Settings,
+           noted: list[signal.Signals] | None = None) -> Any:
     """Polls the store until the job ends. Also does beat's one duty: the reconciler, on its schedule,
-    re-drives anything stalled (a lost message, a step whose worker thread died)."""
+    re-drives anything stalled (a lost message, a step whose worker thread died). ``noted``: signals that
+    came while the job was submitted (``_signals_noted``): the job is cancelled for the first at once."""
     from conductor.engine import cancel_job
     from conductor.reconcile import reconcile_once
     from conductor.tasks.send import send
@@ -590,8 +622,11 @@ def _watch(job_id: str, err: TextIO, started: float, settings: Settings) -> Any:
 
     # A closed terminal (SIGHUP) or a kill (SIGTERM) cancels the job as Ctrl-C does: left running, it was
     # picked up and finished by the next run on this data directory, after that run's own answer.
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
+        if noted:
+            stopped_by[0] = noted[0]
+            raise KeyboardInterrupt
         while True:
             job = progress.update()
             if job.status in JobStatus.TERMINAL:
