@@ -1,5 +1,5 @@
-"""Per-tenant quotas: how fast a tenant may submit, how many jobs it may have in flight (and batches in
-progress), how many event streams it may hold open. Over a quota the caller gets :class:`QuotaExceeded`
+"""Per-tenant quotas: how fast a tenant may submit, how many jobs it may have in flight (and batch lines
+unfinished), how many event streams it may hold open. Over a quota the caller gets :class:`QuotaExceeded`
 with the seconds after which trying again can succeed (the API answers 429 with ``Retry-After``); other
 tenants are unaffected.
 
