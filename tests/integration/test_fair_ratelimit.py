@@ -222,5 +222,5 @@ def test_a_queued_caller_that_never_asks_again_loses_its_place(agent: str, monke
     assert lease is not None
     while redis_now_us(limiter) <= lease:  # until its lease lapsed on Redis's clock
         time.sleep(0.05)
-    assert limiter.acquire(agent, 600, timeout_s=30.0, burst=1, tenant="t") >= 0.0
+    limiter.acquire(agent, 600, timeout_s=30.0, burst=1, tenant="t")  # the next ask: it drops the ghost
     assert limiter.client.zrank(queue, "ghost") is None
