@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from conductor.errors import Rejection
 from conductor.quotas import QuotaExceeded
 from conductor.store.db import driver_reason
-from conductor.submission import IdempotencyConflict, SubmissionError
+from conductor.submission import MAX_JSON_DEPTH, IdempotencyConflict, SubmissionError
 from conductor.workflow import MAX_REPORTED_ERRORS
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,18 @@ def problem_response(status: int, title: str, detail: str = "", errors: list[dic
 
 
 MAX_ERROR_PART_CHARS = 200
+UNPARSED_BODY = "There was an error parsing the body"
+"""FastAPI's 400 for a JSON body whose parse raised something other than a syntax error (its cause)."""
+
+
+def unreadable_json(cause: BaseException | None) -> str:
+    """What to do about a JSON body the parser could not read (FastAPI's ``UNPARSED_BODY``)."""
+    if isinstance(cause, RecursionError):
+        return (f"the JSON body is nested too deeply to parse: workflow and metadata may nest at most "
+                f"{MAX_JSON_DEPTH} levels")
+    if isinstance(cause, UnicodeError):
+        return "the JSON body is not valid UTF-8: send it encoded as UTF-8 (RFC 8259)"
+    return "the body could not be read as JSON: send one JSON object, encoded as UTF-8"
 
 
 def validation_errors(raw: Sequence[Any]) -> list[dict[str, Any]]:
@@ -119,21 +131,33 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
         return problem_response(422, "Idempotency-Key reused", str(exc),
                                 [{"loc": ["header", "Idempotency-Key"], "msg": str(exc)}])
 
+    def keyless(request: Request) -> JSONResponse | None:
+        """The 401 for a request to ``/v1/`` without a key (every /v1/ route needs one), else None. FastAPI
+        parses a JSON or form body before any dependency runs, so a body it cannot parse would otherwise be
+        described to a caller who sent no key at all: 401 first, as for every other body."""
+        if key_check is None or not request.url.path.startswith("/v1/"):
+            return None
+        try:
+            key_check(request.headers.get("authorization"))
+        except Problem as missing:
+            return problem_response(missing.status, missing.title, missing.detail, headers=missing.headers)
+        return None
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if key_check is not None and request.url.path.startswith("/v1/"):  # every /v1/ route needs a key
-            # FastAPI parses a JSON body before any dependency runs, so a body that is not JSON would
-            # otherwise be described to a caller who sent no key at all: 401 first, as for every other body.
-            try:
-                key_check(request.headers.get("authorization"))
-            except Problem as missing:
-                return problem_response(missing.status, missing.title, missing.detail, headers=missing.headers)
+        if (refused := keyless(request)) is not None:
+            return refused
         errors = validation_errors(exc.errors())
         return problem_response(422, "Invalid request", "; ".join(
             f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors), errors)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and (refused := keyless(request)) is not None:  # a body FastAPI could not parse
+            return refused
+        if exc.status_code == 400 and exc.detail == UNPARSED_BODY:
+            return await _validation(request, RequestValidationError(
+                [{"loc": ("body",), "msg": unreadable_json(exc.__cause__), "type": "json_invalid"}]))
         return problem_response(exc.status_code, str(exc.detail), str(exc.detail))
 
     @app.exception_handler(DataError)

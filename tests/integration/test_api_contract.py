@@ -229,6 +229,31 @@ def test_a_body_that_is_not_json_is_401_without_a_key_and_422_with_one(client: h
     assert r.status_code in (400, 422) and "error" in r.json(), r.text
 
 
+def test_a_body_json_cannot_read_is_401_without_a_key_and_a_clear_refusal_with_one(
+    client: httpx.Client, api: str
+) -> None:
+    """Bodies whose parse raises something other than a JSON syntax error (bytes that are not UTF-8
+    inside a string, nesting deeper than the parser recurses) or a multipart body the form parser refuses:
+    FastAPI answered them 400 'There was an error parsing the body' before any key was asked for."""
+    json_type = {"Content-Type": "application/json"}
+    not_utf8 = b'{"task": "\xff"}'
+    too_deep = b'{"task": "t", "metadata": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    broken_form = {"Content-Type": "multipart/form-data"}
+    with httpx.Client(base_url=api, timeout=30) as anonymous:
+        for path in ("/v1/jobs", "/v1/chat/completions", "/v1/batches"):
+            for body in (not_utf8, too_deep):
+                r = anonymous.post(path, content=body, headers=json_type)
+                assert r.status_code == 401, (path, r.text)
+        r = anonymous.post("/v1/files", content=b"garbage", headers=broken_form)
+        assert r.status_code == 401, r.text
+    for body, why in ((not_utf8, "not valid UTF-8"), (too_deep, "nested too deeply")):
+        r = client.post("/v1/jobs", content=body, headers=json_type)
+        assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body"], r.text
+        assert why in r.json()["detail"], r.text
+        r = client.post("/v1/chat/completions", content=body, headers=json_type)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text  # OpenAI's shape there
+
+
 def test_a_workflow_with_fields_it_does_not_use_is_refused(client: httpx.Client) -> None:
     steps = [{"agent": "a", "instruction": "x", "access_list": []}]
     for workflow in ({"steps": steps, "junk": "x" * 1000}, {**wf(["a"], [[]]), "notes": "kept?"}):
