@@ -263,10 +263,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("conductor serve: --workers must be at least 1", file=sys.stderr)
         return 2
-    from conductor.service.server import PROTOCOL
+    from conductor.service.server import HEADER_BUFFER_BYTES, PROTOCOL
 
     uvicorn.run("conductor.service.app:create_app", factory=True, host=args.host, port=args.port,
-                workers=args.workers, http=PROTOCOL, log_level=args.log_level)
+                workers=args.workers, http=PROTOCOL, log_level=args.log_level,
+                h11_max_incomplete_event_size=get_settings().max_header_bytes + HEADER_BUFFER_BYTES)
     return 0
 
 

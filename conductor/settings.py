@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     max_instruction_chars: int = Field(default=20_000, ge=1)
     max_body_bytes: int = Field(default=1_000_000, ge=1024)
     max_metadata_bytes: int = Field(default=16_384, ge=0)
+    max_header_bytes: int = Field(default=32_768, ge=4096, le=1_048_576)
+    """Request headers (names and values, every header together) one request may send; more is 431.
+    ``conductor serve`` also sizes its HTTP parser's buffer from it (``HEADER_BUFFER_BYTES`` more, for
+    the request line), so headers within it are never refused by the parser (its own default: 16 KiB)."""
 
     # OpenAI-compatible routes.
     chat_max_wait_s: float = Field(default=540.0, gt=0, le=3600)

@@ -60,9 +60,16 @@ def body_limit(scope: Scope) -> int:
     return settings.max_body_bytes
 
 
+def header_bytes(scope: Scope) -> int:
+    """What a request's headers take, as ``max_header_bytes`` counts them: each name and value plus the
+    4 bytes of ``": "`` and CRLF."""
+    return sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+
+
 class BodyLimit:
-    """413 for bodies over ``max_body_bytes``: by Content-Length up front, and by counting the bytes as
-    they arrive (a chunked body has no length), so an oversize body is never buffered whole."""
+    """431 for headers over ``max_header_bytes``. 413 for bodies over ``max_body_bytes``: by Content-Length
+    up front, and by counting the bytes as they arrive (a chunked body has no length), so an oversize
+    body is never buffered whole."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -70,6 +77,13 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        most_headers = get_settings().max_header_bytes
+        if (sent := header_bytes(scope)) > most_headers:
+            await problem_response(
+                431, "Request headers too large", f"the request's headers take {sent} bytes; the limit is "
+                f"{most_headers} (CONDUCTOR_MAX_HEADER_BYTES): send fewer or shorter headers (a browser also "
+                "sends every cookie it holds for this host)")(scope, receive, send)
             return
         limit = body_limit(scope)
         declared = dict(scope["headers"]).get(b"content-length")

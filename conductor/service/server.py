@@ -17,6 +17,11 @@ import socket
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+HEADER_BUFFER_BYTES = 16 * 1024
+"""Room beyond ``max_header_bytes`` in the HTTP parser's buffer (h11's ``max_incomplete_event_size``)
+for the request line: a request whose headers fit the setting reaches the app, which answers 431 for
+more; only a request far past it is refused by the parser itself (a plain 400)."""
+
 PROTOCOL = f"{__name__}:NoDelayHTTPProtocol"
 """What ``uvicorn.run(http=...)`` takes: an import string, so each worker process imports it."""
 

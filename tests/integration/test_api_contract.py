@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
 
@@ -260,3 +261,35 @@ def test_a_workflow_with_fields_it_does_not_use_is_refused(client: httpx.Client)
         r = client.post("/v1/jobs", json={"task": "t", "workflow": workflow})
         assert r.status_code == 422 and "unexpected fields" in r.json()["detail"], r.text
     assert client.post("/v1/jobs", json={"task": "t", "workflow": {"steps": steps}}).status_code == 202
+
+
+def _raw_get(api: str, path: str, headers: dict[str, str], piece: int = 2048) -> bytes:
+    """A GET written a ``piece`` at a time with a pause between, so the server's HTTP parser sees the
+    headers arrive in many reads (as over a real network), not in one."""
+    url = httpx.URL(api)
+    lines = [f"GET {path} HTTP/1.1", f"Host: {url.host}:{url.port}", "Connection: close",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    data = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    with socket.create_connection((url.host, url.port), timeout=30) as sock:
+        for at in range(0, len(data), piece):
+            sock.sendall(data[at:at + piece])
+            time.sleep(0.005)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_request_headers_are_limited_by_a_named_setting(client: httpx.Client, api: str) -> None:
+    """CONDUCTOR_MAX_HEADER_BYTES (32 KiB): more is a 431 naming it. Before, the only bound was h11's
+    16 KiB buffer, enforced only when headers arrived in several reads (a plain-text 400), so whether a
+    20 KiB header passed depended on the network, and 100 KB sent at once did."""
+    key = client.headers["Authorization"]
+    r = client.get("/v1/jobs", headers={"X-Padding": "p" * 40_000})
+    assert r.status_code == 431 and "CONDUCTOR_MAX_HEADER_BYTES" in r.json()["detail"], r.text
+    r = client.post("/v1/chat/completions", headers={"X-Padding": "p" * 40_000}, json={})
+    assert r.status_code == 431 and "CONDUCTOR_MAX_HEADER_BYTES" in r.json()["error"]["message"], r.text
+    within = _raw_get(api, "/v1/jobs?limit=1", {"Authorization": key, "X-Padding": "p" * 30_000})
+    assert within.startswith(b"HTTP/1.1 200 "), within[:300]
+    over = _raw_get(api, "/v1/jobs?limit=1", {"Authorization": key, "X-Padding": "p" * 40_000})
+    assert over.startswith(b"HTTP/1.1 431 "), over[:300]
