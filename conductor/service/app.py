@@ -6,17 +6,26 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
+from sqlmodel import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conductor.sealed import SECRETS_KEY_WARNING
-from conductor.service.deps import SessionDep, bearer_key
+from conductor.service.deps import SessionDep, bearer_key, resolve_tenant
 from conductor.service.openai_errors import install_openai_errors
 from conductor.service.openapi import published_schema
-from conductor.service.problems import install_error_handlers, problem_response, problems
+from conductor.service.problems import (
+    Problem,
+    database_unavailable,
+    install_error_handlers,
+    problem_response,
+    problems,
+)
 from conductor.service.routes import batches, files, jobs, metrics, openai_chat, ui, webhooks
 from conductor.service.schemas import Health
-from conductor.settings import get_settings
+from conductor.settings import Settings, get_settings
+from conductor.store.db import DATABASE_AWAY, get_engine
 from conductor.store.keys import PEPPER_WARNING
 
 log = logging.getLogger(__name__)
@@ -30,7 +39,8 @@ def create_app() -> FastAPI:
     if startup.auth_required and not startup.secrets_key:
         log.warning(SECRETS_KEY_WARNING)
     install_error_handlers(app, key_check=lambda authorization: bearer_key(get_settings(), authorization))
-    app.add_middleware(BodyLimit)
+    app.add_middleware(KeyBeforeBody)
+    app.add_middleware(BodyLimit)  # outside KeyBeforeBody: oversize headers and declared bodies first
 
     @app.get("/healthz", responses=problems(503))
     def healthz(session: SessionDep) -> Health:
@@ -55,7 +65,7 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024
 def body_limit(scope: Scope) -> int:
     """``max_body_bytes``, except for a batch file upload: that file may be ``batch_max_file_bytes``."""
     settings = get_settings()
-    if scope["path"] == "/v1/files" and scope["method"] == "POST":
+    if is_upload(scope):
         return max(settings.max_body_bytes, settings.batch_max_file_bytes + MULTIPART_OVERHEAD_BYTES)
     return settings.max_body_bytes
 
@@ -103,3 +113,40 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+def is_upload(scope: Scope) -> bool:
+    return scope["path"] == "/v1/files" and scope["method"] == "POST"
+
+
+def _known_key(settings: Settings, authorization: str | None) -> None:
+    """401 (a ``Problem``) unless ``authorization`` holds an active key; a short session of its own."""
+    with Session(get_engine(settings.database_url)) as session:
+        resolve_tenant(session, settings, authorization)
+
+
+class KeyBeforeBody:
+    """Every ``/v1/`` route needs a key, but FastAPI reads and parses a body before any dependency runs:
+    a request without a bearer key is answered 401 here, its body unread. A batch upload (the one body
+    allowed past ``max_body_bytes``: a file spooled to disk) also has its key looked up first; other
+    routes look theirs up in the endpoint, as before."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            settings = get_settings()
+            authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            try:
+                bearer_key(settings, authorization)
+                if is_upload(scope) and settings.auth_required:
+                    await run_in_threadpool(_known_key, settings, authorization)
+            except Problem as refused:
+                response = problem_response(refused.status, refused.title, refused.detail, headers=refused.headers)
+                await response(scope, receive, send)
+                return
+            except DATABASE_AWAY as exc:  # outside the app's exception handlers: answered as they would
+                await database_unavailable(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -110,6 +110,14 @@ def validation_errors(raw: Sequence[Any]) -> list[dict[str, Any]]:
     return errors
 
 
+def database_unavailable(exc: Exception) -> JSONResponse:
+    # the driver's own message (never the statement's parameters) says which it is: the server down, a
+    # refused password, too many connections; check CONDUCTOR_DATABASE_URL and the database's log
+    log.warning("database unavailable: %s: %s", type(exc).__name__, driver_reason(exc))
+    return problem_response(503, "Database unavailable", "the job store cannot be reached; retry shortly",
+                            headers={"Retry-After": "5"})
+
+
 def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], object] | None = None) -> None:
     """``key_check(authorization)`` raises a 401 ``Problem`` for a request without a key; a request to
     ``/v1/`` whose body fails validation is judged by it first."""
@@ -169,11 +177,7 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
     @app.exception_handler(InterfaceError)
     @app.exception_handler(PoolTimeout)  # every pooled connection busy past the pool's timeout: a stall
     async def _db_down(_: Request, exc: Exception) -> JSONResponse:
-        # the driver's own message (never the statement's parameters) says which it is: the server down, a
-        # refused password, too many connections; check CONDUCTOR_DATABASE_URL and the database's log
-        log.warning("database unavailable: %s: %s", type(exc).__name__, driver_reason(exc))
-        return problem_response(503, "Database unavailable", "the job store cannot be reached; retry shortly",
-                                headers={"Retry-After": "5"})
+        return database_unavailable(exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

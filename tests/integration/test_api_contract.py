@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.integration.conftest import new_key
 from tests.integration.harness import wait_terminal
@@ -293,3 +294,67 @@ def test_request_headers_are_limited_by_a_named_setting(client: httpx.Client, ap
     assert within.startswith(b"HTTP/1.1 200 "), within[:300]
     over = _raw_get(api, "/v1/jobs?limit=1", {"Authorization": key, "X-Padding": "p" * 40_000})
     assert over.startswith(b"HTTP/1.1 431 "), over[:300]
+
+
+def _answer_to_a_body_never_sent(api: str, path: str, headers: dict[str, str], start: bytes,
+                                 declared: int) -> bytes:
+    """Sends a request's headers declaring a ``declared``-byte body and only its ``start`` (well-formed
+    so far), then reads the answer: one that comes is one the server gave without reading the body (it
+    would wait for the rest before parsing it). What came within the socket's timeout otherwise."""
+    url = httpx.URL(api)
+    lines = [f"POST {path} HTTP/1.1", f"Host: {url.host}:{url.port}", f"Content-Length: {declared}",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    answer = b""
+    with socket.create_connection((url.host, url.port), timeout=10) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + start)
+        try:
+            while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < int(
+                    answer.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+        except TimeoutError:
+            pass
+    return answer
+
+
+def test_a_body_is_not_read_for_a_caller_without_a_valid_key(client: httpx.Client, api: str) -> None:
+    """Every /v1/ route needs a key, so a body sent without one is never read: before, FastAPI read and
+    parsed it first (a 10 MB batch upload spooled to disk for anyone) and then answered 401. An upload,
+    the one large body, also has its key looked up before it is read; other routes judge a key that
+    is present but wrong after the body, as before (the lookup is the endpoint's)."""
+    form = {"Content-Type": "multipart/form-data; boundary=b"}
+    upload = b'--b\r\nContent-Disposition: form-data; name="file"; filename="q.jsonl"\r\n\r\n' + b"{}\n" * 300
+    anonymous = _answer_to_a_body_never_sent(api, "/v1/files", form, upload, 5_000_000)
+    assert anonymous.startswith(b"HTTP/1.1 401 "), anonymous[:300]
+    assert b"invalid_api_key" in anonymous, anonymous  # in OpenAI's shape there
+    wrong_key = _answer_to_a_body_never_sent(api, "/v1/files", {**form, "Authorization": "Bearer cq_wrong"},
+                                             upload, 5_000_000)
+    assert wrong_key.startswith(b"HTTP/1.1 401 ") and b"revoked" in wrong_key, wrong_key[:300]
+    json_body = _answer_to_a_body_never_sent(api, "/v1/jobs", {"Content-Type": "application/json"},
+                                             b'{"task": "' + b"t" * 1000, 500_000)
+    assert json_body.startswith(b"HTTP/1.1 401 ") and b"Bearer" in json_body, json_body[:300]
+    ok = client.post("/v1/files", files={"file": ("q.jsonl", b'{"custom_id": "q", "method": "POST", '
+                                         b'"url": "/v1/jobs", "body": {"task": "t"}}')}, data={"purpose": "batch"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_an_upload_whose_key_cannot_be_looked_up_is_503_not_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upload's key is looked up in a middleware, outside the app's exception handlers: a database
+    away there is answered as the handlers would (503, Retry-After), not as an unexpected error. The API
+    runs in-process so the lookup can fail at that point; the database and the key are real."""
+    from fastapi.testclient import TestClient
+    from sqlalchemy.exc import OperationalError
+
+    from conductor.service import app as service_app
+
+    def away(*_: Any) -> None:
+        raise OperationalError("SELECT api_key.tenant", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(service_app, "_known_key", away)
+    with TestClient(service_app.create_app(), raise_server_exceptions=False) as http:
+        r = http.post("/v1/files", headers={"Authorization": f"Bearer {new_key('tenant-upload-db-away')}"},
+                      files={"file": ("q.jsonl", b"{}")}, data={"purpose": "batch"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+    assert r.json()["error"]["code"] == "service_unavailable", r.text
