@@ -233,6 +233,14 @@ class Settings(BaseSettings):
                                  f"'.', and none of {', '.join(RESERVED_QUEUES)}")
         return v
 
+    ui_cookie_secure: bool | None = None
+    """Whether the trace viewer's session cookie carries ``Secure`` (a browser then sends it over https
+    only). Unset: when the request came over https as the API sees it. Behind a TLS-terminating proxy that
+    holds only for a proxy at an address uvicorn trusts with ``X-Forwarded-Proto`` (``FORWARDED_ALLOW_IPS``,
+    127.0.0.1 by default): a proxy reaching docker-compose's published port comes from the Docker network,
+    and the cookie went out without ``Secure`` to browsers on https. Set true wherever the viewer is served
+    over https; false never sets it."""
+
     metrics_token: str = ""
     """A bearer token for scraping ``/metrics`` with every tenant's series (give it to Prometheus). A
     tenant's API key sees only that tenant's series; with auth off, ``/metrics`` is open."""

@@ -20,7 +20,7 @@ from conductor.store.jobs import get_attempts, get_steps
 from conductor.store.keys import delete_expired_sessions, revoke_key
 from conductor.store.models import ApiKey, UiSession, utcnow
 from tests.integration.conftest import new_key
-from tests.integration.harness import LOGS, wait_terminal
+from tests.integration.harness import LOGS, start_api, wait_terminal
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -177,6 +177,32 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
     with session_scope() as s:
         key_id = s.exec(select(ApiKey.id).where(ApiKey.prefix == key[:10])).one()
         assert s.exec(select(UiSession).where(UiSession.key_id == key_id)).all() == []
+
+
+def _session_cookie(api: str, key: str, headers: dict[str, str]) -> str:
+    with httpx.Client(base_url=api, timeout=30) as http:
+        signed_in = http.post("/ui/login", data={"key": key}, headers=headers, follow_redirects=False)
+    assert signed_in.status_code == 303, signed_in.text
+    return next(c for c in signed_in.headers.get_list("set-cookie") if c.startswith("conductor_session="))
+
+
+def test_the_session_cookie_is_secure_behind_an_https_proxy_the_api_does_not_trust(
+        proc_env: dict[str, str], api: str) -> None:
+    key = new_key("tenant-a")
+    proxied = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.7"}
+    # By default Secure follows the scheme: plain http without it, https through a proxy on loopback (the
+    # one address uvicorn trusts with X-Forwarded-Proto by default) with it.
+    assert "secure" not in _session_cookie(api, key, {}).lower()
+    assert "; secure" in _session_cookie(api, key, proxied).lower()
+    # A proxy elsewhere (docker-compose's published port is reached from the Docker network) is not trusted:
+    # the scheme stays http, and the cookie went to browsers on https without Secure. The setting says so.
+    env = {**proc_env, "FORWARDED_ALLOW_IPS": "192.0.2.1", "CONDUCTOR_UI_COOKIE_SECURE": "true"}
+    proc, behind_proxy = start_api(env)
+    try:
+        assert "; secure" in _session_cookie(behind_proxy, key, proxied).lower()
+        assert "; secure" in _session_cookie(behind_proxy, key, {}).lower()
+    finally:
+        proc.stop()
 
 
 def test_expired_viewer_sessions_are_deleted_and_live_ones_kept_on_postgres(api: str) -> None:

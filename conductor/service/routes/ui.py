@@ -104,6 +104,14 @@ def _safe_next(target: str) -> str:
     return target if target.startswith("/ui/") and not target.startswith("//") and "\\" not in target else "/ui/jobs"
 
 
+def _secure_cookie(request: Request, settings: Settings) -> bool:
+    """``CONDUCTOR_UI_COOKIE_SECURE`` when set, else whether the request came over https (as uvicorn
+    sees it: ``X-Forwarded-Proto`` counts only from ``FORWARDED_ALLOW_IPS``)."""
+    if settings.ui_cookie_secure is not None:
+        return settings.ui_cookie_secure
+    return request.url.scheme == "https"
+
+
 AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
 CROSS_SITE = "Refused: the form was sent from another site. Sign in from this page."
 
@@ -155,7 +163,7 @@ def login(
                      max_key=MAX_KEY_CHARS)
     response = RedirectResponse(_safe_next(next), status_code=303)
     response.set_cookie(COOKIE, signed_in[1], max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
-                        samesite="strict", secure=request.url.scheme == "https")
+                        samesite="strict", secure=_secure_cookie(request, settings))
     response.delete_cookie(OLD_COOKIE, path="/ui")
     return response
 
