@@ -8,9 +8,9 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, UrlConstraints, field_validator
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 MAX_URL_CHARS = 2048
+"""The longest ``webhook_url``, as given and once normalized (IDNA, percent-encoding): the column's width."""
 MAX_PLANNER_CHARS = 128
 MAX_JSON_DEPTH = 32
 """How deeply ``workflow`` and ``metadata`` may nest. Deeper input is refused (422) before anything
@@ -60,7 +61,7 @@ class JobCreate(BaseModel):
     planner: str | None = Field(default=None, max_length=MAX_PLANNER_CHARS)
     workflow: dict[str, Any] | None = None
     limits: Limits = Field(default_factory=Limits)
-    webhook_url: HttpUrl | None = None
+    webhook_url: Annotated[HttpUrl, UrlConstraints(max_length=MAX_URL_CHARS)] | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("task")

@@ -187,6 +187,15 @@ def test_private_and_metadata_targets_are_refused_at_submit(tenant: Tenant, url:
     assert len(tenant.client.get("/v1/jobs").json()["data"]) == before  # no job, so nothing will ever be sent
 
 
+@pytest.mark.parametrize("length", [2049, 3000])
+def test_a_webhook_url_over_2048_characters_is_refused_naming_that_limit(tenant: Tenant, length: int) -> None:
+    url = "https://hooks.example.com/" + "a" * (length - len("https://hooks.example.com/"))
+    r = tenant.client.post("/v1/jobs", json={"task": "t", "webhook_url": url})
+    assert r.status_code == 422, r.text
+    [problem] = r.json()["errors"]
+    assert problem["loc"] == ["body", "webhook_url"] and "2048 characters" in problem["msg"], problem  # docs/api.md
+
+
 def test_failed_and_cancelled_jobs_send_their_events(tenant: Tenant, receiver: Receiver) -> None:
     url = receiver.on("/ends", 200)
     failed = submit(tenant.client, workflow=FAILING, webhook_url=url)
