@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conductor.sealed import SECRETS_KEY_WARNING
+from conductor.service import api_docs
 from conductor.service.deps import SessionDep, bearer_key, resolve_tenant
 from conductor.service.openai_errors import install_openai_errors
 from conductor.service.openapi import published_schema
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app() -> FastAPI:
-    app = FastAPI(title="Conductor Queue", version="0.1.0")
+    app = FastAPI(title="Conductor Queue", version="0.1.0", docs_url=None, redoc_url=None)  # /docs: api_docs
     startup = get_settings()
     if startup.auth_required and not startup.api_key_pepper:
         log.warning(PEPPER_WARNING)
@@ -54,6 +55,7 @@ def create_app() -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(webhooks.router)
+    app.include_router(api_docs.router)
     install_openai_errors(app)  # last: its middleware must wrap BodyLimit
     app.openapi = lambda: published_schema(app)  # type: ignore[method-assign]
     return app
