@@ -8,6 +8,7 @@ planner sees as earlier work -- the same way a recursive step hands its visible 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,38 +68,46 @@ def planner_for_model(model: str) -> str:
 
 def chat_job(request: ChatCompletionRequest, settings: Settings) -> ChatJob:
     """The job a chat request asks for; refuses conversations that do not end with a user turn."""
-    planner = planner_for_model(request.model)
-    last = request.messages[-1]
-    if last.role != "user" or not last.text().strip():
+    turns = [(m.role, m.text()) for m in request.messages]
+    return conversation_job(request.model, turns, request.metadata, settings, param="messages")
+
+
+def conversation_job(model: str, turns: Sequence[tuple[str, str]], metadata: dict[str, str] | None,
+                     settings: Settings, *, param: str, system: str | None = None) -> ChatJob:
+    """The job a conversation of (role, text) turns asks for, chat's or a response's (``param``: where the
+    turns are in the request, for errors): the last turn, a user turn, is the task; the others, in order,
+    its context (developer turns as system turns, empty turns left out), after ``system`` if given (a
+    response's ``instructions``)."""
+    planner = planner_for_model(model)
+    last_role, task = turns[-1]
+    if last_role != "user" or not task.strip():
         raise ChatRequestError(
             "the last message must be a non-empty user message: it is the task",
-            param=f"messages.{len(request.messages) - 1}",
+            param=f"{param}.{len(turns) - 1}",
             code="invalid_messages",
         )
-    context = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in request.messages[:-1]
-        if m.text()
-    ]
-    total = sum(len(m["content"]) for m in context) + len(last.text())
+    leading = [("system", system)] if system else []
+    context = [{"role": "system" if role == "developer" else role, "content": text}
+               for role, text in [*leading, *turns[:-1]] if text]
+    total = sum(len(m["content"]) for m in context) + len(task)
     if total > settings.max_task_chars:
         raise ChatRequestError(
             f"the conversation has {total} characters; the limit is {settings.max_task_chars}",
-            param="messages",
+            param=param,
             code="context_length_exceeded",
         )
     try:
         body = JobCreate(
-            task=last.text(),
+            task=task,
             planner=None if planner == CONDUCTOR_AGENT else planner,
-            metadata=dict(request.metadata or {}),
+            metadata=dict(metadata or {}),
         )
     except ValidationError as exc:  # what the chat request admits and a job does not (a planner name too long)
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else "body"
         if field == "planner":
             raise ChatRequestError(
-                f"The model '{request.model}' does not exist: a planner name has at most "
+                f"The model '{model}' does not exist: a planner name has at most "
                 f"{MAX_PLANNER_CHARS} characters", param="model", code="model_not_found", kind=Rejection.NOT_FOUND,
             ) from exc
         raise ChatRequestError(f"{field}: {first['msg']}", param=field, code="invalid_request") from exc

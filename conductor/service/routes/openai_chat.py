@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from functools import partial
 from typing import Annotated, Any
@@ -23,7 +23,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
-from conductor.chat import ChatRequestError, chat_job, completion, finish_reason, job_ref, model_list, usage
+from conductor.chat import ChatJob, ChatRequestError, chat_job, completion, finish_reason, job_ref, model_list, usage
 from conductor.openai_wire import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -118,8 +118,8 @@ async def chat_completions(
         raise
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return StreamingResponse(
-        _held(_stream(job_id, body.model, settings, key, include_usage=include_usage), job_id, tenant, slot,
-              settings),
+        held_stream(_stream(job_id, body.model, settings, key, include_usage=include_usage), job_id, tenant, slot,
+                    settings),
         media_type="text/event-stream",
         headers={JOB_HEADER: job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -129,18 +129,13 @@ async def _answer(body: ChatCompletionRequest, response: Response, settings: Set
                   key: str | None) -> ChatCompletion:
     job_id = await run_in_threadpool(_submit, body, settings, tenant)
     headers = {JOB_HEADER: job_id, **NO_RETRY}  # the job exists from here on: a retry would start a second one
+    job = await wait_for_job(job_id, settings, key, headers=headers, what="chat completion")
     reason: str | None = None
-    try:
-        job = await _wait_for_end(job_id, settings, key)
-        if job is not None and job.status == JobStatus.SUCCEEDED:
-            reason = await run_in_threadpool(_answer_finish_reason, job_id, settings.database_url)
-    except KeyRevoked as exc:
-        raise OpenAIError(401, str(exc), code="invalid_api_key", type="invalid_request_error",
-                          headers=headers) from exc
-    except Exception as exc:  # a database outage while waiting (else 503 with Retry-After, which the SDK retries)
-        log.warning("chat completion %s: its wait failed: %s", job_id, type(exc).__name__)
-        raise OpenAIError(503, _wait_failed(job_id, type(exc).__name__), code="job_wait_failed",
-                          headers=headers) from exc
+    if job is not None and job.status == JobStatus.SUCCEEDED:
+        try:
+            reason = await run_in_threadpool(answer_finish_reason_of, job_id, settings.database_url)
+        except Exception as exc:
+            raise _wait_error(job_id, exc, headers, "chat completion") from exc
     if job is None or job.status != JobStatus.SUCCEEDED:
         status, message, code = _not_answered(job_id, job, settings)
         raise OpenAIError(status, message, code=code, headers=headers)
@@ -148,19 +143,46 @@ async def _answer(body: ChatCompletionRequest, response: Response, settings: Set
     return completion(job, body.model, reason)
 
 
-def _wait_failed(job_id: str, reason: str) -> str:
+async def wait_for_job(job_id: str, settings: Settings, key: str | None, *, headers: dict[str, str],
+                       what: str) -> Job | None:
+    """The ended job, or None once ``chat_max_wait_s`` has passed; a revoked key or a failed wait as the
+    OpenAI error that answers it (``headers`` on it: the job's id, no retry). ``what`` names the request in
+    the log."""
+    try:
+        return await _wait_for_end(job_id, settings, key)
+    except Exception as exc:
+        raise _wait_error(job_id, exc, headers, what) from exc
+
+
+def _wait_error(job_id: str, exc: Exception, headers: dict[str, str], what: str) -> OpenAIError:
+    if isinstance(exc, KeyRevoked):
+        return OpenAIError(401, str(exc), code="invalid_api_key", type="invalid_request_error", headers=headers)
+    # a database outage while waiting (else 503 with Retry-After, which the SDK retries)
+    log.warning("%s %s: its wait failed: %s", what, job_id, type(exc).__name__)
+    return OpenAIError(503, wait_failed_message(job_id, type(exc).__name__), code="job_wait_failed", headers=headers)
+
+
+def wait_failed_message(job_id: str, reason: str) -> str:
     return (f"job {job_id} was submitted but its end could not be read ({reason}); it goes on: "
             f"GET /v1/jobs/{job_id} has its answer when it ends")
 
 
 def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str:
+    return submit_conversation(lambda: chat_job(body, settings), body.model, settings, tenant)
+
+
+def submit_conversation(made: Callable[[], ChatJob], model: str, settings: Settings, tenant: str, *,
+                        also: Callable[[Session, Job], None] | None = None) -> str:
+    """Creates the job ``made()`` describes under the tenant's quotas, commits it and sends its plan; the
+    refusals as OpenAI errors. ``also`` adds rows of its own to the job's transaction."""
     from conductor.tasks.send import enqueue_plan
 
     with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
         try:
-            made = chat_job(body, settings)
-            job, _ = create_job(session, made.body, tenant=tenant, settings=settings, context=made.context,
-                                admit=admission(tenant, settings), publishing=True, commit=True)
+            conversation = made()
+            job, _ = create_job(session, conversation.body, tenant=tenant, settings=settings,
+                                context=conversation.context, admit=admission(tenant, settings), publishing=True,
+                                commit=also is None)
         except QuotaExceeded as exc:
             raise OpenAIError(429, str(exc), code="rate_limit_exceeded", type="rate_limit_error",
                               headers={"Retry-After": exc.retry_after}) from exc
@@ -168,9 +190,11 @@ def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str
             raise OpenAIError(http_status(exc.kind), str(exc), code=exc.code, param=exc.param) from exc
         except SubmissionError as exc:
             if exc.title == "Unknown planner":
-                raise OpenAIError(404, f"The model '{body.model}' does not exist: {exc}", code="model_not_found",
+                raise OpenAIError(404, f"The model '{model}' does not exist: {exc}", code="model_not_found",
                                   param="model") from exc
             raise
+        if also is not None:
+            also(session, job)
         session.commit()  # durable before the message is sent; the reconciler sends it if this send fails
     enqueue_plan(job.id, recorded=True)
     return job.id
@@ -182,8 +206,8 @@ class KeyRevoked(Exception):
                          f"GET /v1/jobs/{job_id} with another key of the tenant has its answer when it ends")
 
 
-def _progress(job_id: str, settings: Settings, key: str | None, *, key_due: bool = True,
-              steps: bool = True) -> tuple[Job, list[dict[str, Any]]]:
+def read_progress(job_id: str, settings: Settings, key: str | None, *, key_due: bool = True,
+                  steps: bool = True) -> tuple[Job, list[dict[str, Any]]]:
     """The job, and (``steps``) each step's index, agent and status: a stream's progress. Of a job still
     running only its id and status are read; once it has ended, what the answer needs
     (``store.job_outcome``). ``KeyRevoked`` when ``key`` is no longer active, looked up when ``key_due``
@@ -202,7 +226,7 @@ def _progress(job_id: str, settings: Settings, key: str | None, *, key_due: bool
         return job, [{"index": st.index, "agent": st.agent, "status": st.status} for st in step_progress]
 
 
-def _answer_finish_reason(job_id: str, database_url: str) -> str | None:
+def answer_finish_reason_of(job_id: str, database_url: str) -> str | None:
     with Session(get_engine(database_url), expire_on_commit=False) as session:
         return store.answer_finish_reasons(session, job_ids=[job_id]).get(job_id)
 
@@ -213,7 +237,7 @@ async def _wait_for_end(job_id: str, settings: Settings, key: str | None) -> Job
     deadline = started + settings.chat_max_wait_s
     pace = Pace()
     while True:
-        job, _ = await run_in_threadpool(partial(_progress, job_id, settings, key, key_due=pace.key_due(),
+        job, _ = await run_in_threadpool(partial(read_progress, job_id, settings, key, key_due=pace.key_due(),
                                                  steps=False))
         if job.status in JobStatus.TERMINAL:
             return job
@@ -234,11 +258,12 @@ def _not_answered(job_id: str, job: Job | None, settings: Settings) -> tuple[int
     return 500, f"job {job_id} failed ({reason})", "job_failed"
 
 
-async def _held(events: AsyncGenerator[str, None], job_id: str, tenant: str, slot: str,
-                settings: Settings) -> AsyncIterator[str]:
+async def held_stream(events: AsyncGenerator[str, None], job_id: str, tenant: str, slot: str,
+                      settings: Settings, lapsed: Callable[[str], list[str]] | None = None) -> AsyncIterator[str]:
     """The stream, holding its slot: refreshed while it runs, released when it ends or the client leaves.
     A slot that lapsed meanwhile and cannot be taken again (the tenant holds its limit of streams) ends
-    the stream with a ``rate_limit_exceeded`` error event, as a new stream would be refused."""
+    the stream with a ``rate_limit_exceeded`` error, as a new stream would be refused: ``lapsed(message)``
+    renders its last events (by default a chat completion stream's error event and ``[DONE]``)."""
     last_held = time.monotonic()
     try:
         async with aclosing(events):
@@ -246,14 +271,18 @@ async def _held(events: AsyncGenerator[str, None], job_id: str, tenant: str, slo
                 if time.monotonic() - last_held > HEARTBEAT_S:
                     last_held = time.monotonic()
                     if not await run_in_threadpool(refresh_stream, tenant, slot, settings):
-                        yield _sse(error_body(429, f"{lapsed_stream_message(settings)}; job {job_id} goes on: "
-                                              f"GET /v1/jobs/{job_id} has its answer when it ends",
-                                              code="rate_limit_exceeded", type="rate_limit_error"))
-                        yield _sse("[DONE]")
+                        message = (f"{lapsed_stream_message(settings)}; job {job_id} goes on: "
+                                   f"GET /v1/jobs/{job_id} has its answer when it ends")
+                        for last in (lapsed or _chat_lapsed)(message):
+                            yield last
                         return
                 yield event
     finally:
         await release_slot(tenant, slot, settings)  # (a slot not released expires by itself)
+
+
+def _chat_lapsed(message: str) -> list[str]:
+    return [_sse(error_body(429, message, code="rate_limit_exceeded", type="rate_limit_error")), _sse("[DONE]")]
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -284,7 +313,7 @@ async def _stream(job_id: str, model: str, settings: Settings, key: str | None, 
     last_sent = time.monotonic()
     pace = Pace()
     try:  # the key is looked up every KEY_CHECK_S and before the end is told: revoked, the stream ends with that error
-        job, steps = await poll(partial(_progress, job_id, settings, key, key_due=pace.key_due()), job_id=job_id)
+        job, steps = await poll(partial(read_progress, job_id, settings, key, key_due=pace.key_due()), job_id=job_id)
         yield chunk(Delta(role="assistant", content=""), job)
         seen["job"] = job.status
         while True:
@@ -309,17 +338,17 @@ async def _stream(job_id: str, model: str, settings: Settings, key: str | None, 
                 last_sent = time.monotonic()
                 yield ": keep-alive\n\n"
             await asyncio.sleep(min(pace.after(changed), max(0.0, deadline - time.monotonic())))
-            job, steps = await poll(partial(_progress, job_id, settings, key, key_due=pace.key_due()),
+            job, steps = await poll(partial(read_progress, job_id, settings, key, key_due=pace.key_due()),
                                     job_id=job_id)
         reason = None
         if job.status == JobStatus.SUCCEEDED:  # read before the answer is sent: a failure ends the stream cleanly
-            reason = await poll(lambda: _answer_finish_reason(job_id, settings.database_url), job_id=job_id)
+            reason = await poll(lambda: answer_finish_reason_of(job_id, settings.database_url), job_id=job_id)
     except KeyRevoked as exc:
         yield _sse(error_body(401, str(exc), code="invalid_api_key"))
         yield _sse("[DONE]")
         return
     except Exception as exc:  # the database stayed away (or a bug): an error naming the job, not a dropped stream
-        yield _sse(error_body(503, _wait_failed(job_id, failure_reason(job_id, exc)), code="job_wait_failed"))
+        yield _sse(error_body(503, wait_failed_message(job_id, failure_reason(job_id, exc)), code="job_wait_failed"))
         yield _sse("[DONE]")
         return
     if job.status == JobStatus.SUCCEEDED:
