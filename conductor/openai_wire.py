@@ -165,6 +165,164 @@ class ChatCompletionChunk(BaseModel):
     conductor: JobRef | None = None
 
 
+# --- responses: request ----------------------------------------------------------------------------
+
+ResponseStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
+
+
+class InputTextPart(BaseModel):
+    """An ``input_text`` part, or an ``output_text`` part of an earlier answer sent back as input (its
+    ``annotations`` and ``logprobs`` ignored); images, files and audio are not accepted."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    """A message item of ``input``, as the SDK sends it: ``{"role", "content"}`` with ``"type": "message"``
+    or without; an earlier response's output message (``id``, ``status``, ``phase``) is accepted as is.
+    Other items (tool calls and their outputs, reasoning, item references) are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[InputTextPart], Field(max_length=MAX_CONTENT_PARTS)]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseCreateRequest(BaseModel):
+    """``POST /v1/responses``. Like chat completions, sampling parameters a client commonly sends are
+    accepted and not used (each worker runs with its pool settings); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS, description="`conductor` or `conductor/<planner>`")
+    input: str | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)] = Field(
+        description="The task, or messages whose last (a user message) is the task and the rest its context.")
+    instructions: str | None = Field(default=None, description="A system message before the input.")
+    background: bool | None = Field(default=False, description="Answer at once (`queued`); poll for the end.")
+    stream: bool | None = False
+    store: bool | None = Field(default=True, description="Must not be false: every response is a stored job.")
+    metadata: Metadata | None = Field(
+        default=None, max_length=MAX_METADATA_PAIRS, description="Stored as the job's metadata."
+    )
+    # Accepted for compatibility, not used (each step runs with its agent's own settings).
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    user: str | None = Field(default=None, max_length=512)
+    safety_identifier: str | None = Field(default=None, max_length=512)
+    prompt_cache_key: str | None = Field(default=None, max_length=512)
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    stream_options: dict[str, Any] | None = None
+    tools: Annotated[list[Any], Field(max_length=0)] | None = Field(default=None, description="Only `[]`.")
+    tool_choice: Literal["none", "auto"] | None = None
+
+    @field_validator("model", "input", "instructions", "metadata", "user")
+    @classmethod
+    def _storable(cls, v: Any) -> Any:
+        _refuse_unstorable(v)
+        return v
+
+    def turns(self) -> list[tuple[str, str]]:
+        """(role, text) of the input's messages, in order (a string is one user message)."""
+        return [("user", self.input)] if isinstance(self.input, str) else [(m.role, m.text()) for m in self.input]
+
+
+# --- responses: the response object and its stream events ---------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    """The job's totals (every call, the planner's too). Cached and reasoning tokens are not counted apart:
+    their details are 0, the tokens themselves in ``input_tokens`` and ``output_tokens``."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class ResponseErrorBody(BaseModel):
+    """A failed response's error: ``code`` one the SDK knows (``rate_limit_exceeded`` or ``server_error``),
+    ``type`` the job's error type (docs/api.md, Error types)."""
+
+    code: Literal["server_error", "rate_limit_exceeded"]
+    message: str
+    type: str
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class InputItemList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class ResponseObject(BaseModel):
+    """A response as OpenAI's Responses API answers it: the fields its clients read (and require), the
+    ones Conductor does not use at their neutral values."""
+
+    id: str = Field(description="The job id (also in the `Conductor-Job-Id` header and `conductor.job_id`).")
+    object: Literal["response"] = "response"
+    created_at: int
+    status: ResponseStatus
+    model: str
+    output: list[OutputMessage]
+    usage: ResponseUsage | None = None
+    error: ResponseErrorBody | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    background: bool
+    completed_at: int | None = None
+    store: Literal[True] = True
+    max_output_tokens: None = None
+    parallel_tool_calls: bool = False
+    temperature: None = None
+    top_p: None = None
+    tool_choice: Literal["auto"] = "auto"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: Literal["disabled"] = "disabled"
+    conductor: JobRef
+
+
 # --- models -----------------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ from conductor.service.problems import (
     problem_response,
     problems,
 )
-from conductor.service.routes import batches, files, jobs, metrics, openai_chat, ui, webhooks
+from conductor.service.routes import batches, files, jobs, metrics, openai_chat, openai_responses, ui, webhooks
 from conductor.service.schemas import Health
 from conductor.settings import Settings, get_settings
 from conductor.store.db import DATABASE_AWAY, get_engine
@@ -52,6 +52,7 @@ def create_app() -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(ui.router)
     app.include_router(openai_chat.router)
+    app.include_router(openai_responses.router)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(webhooks.router)

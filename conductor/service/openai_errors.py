@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from conductor.openai_wire import ErrorDetail, ErrorDocument
 from conductor.service.problems import PROBLEM
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/models", "/v1/files", "/v1/batches")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/files", "/v1/batches")
 NO_RETRY = {"x-should-retry": "false"}
 """The official clients retry 408, 409, 429 and 5xx unless told not to; a retried chat completion would
 start a second job."""

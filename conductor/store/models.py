@@ -332,6 +332,20 @@ class BatchRequest(SQLModel, table=True):
     error: str | None = Field(default=None, sa_column=Column(sa.Text))
 
 
+class OpenAIResponse(SQLModel, table=True):
+    """A job created through ``POST /v1/responses`` (OpenAI's Responses API): what that API echoes on every
+    read of the response and the job does not hold. The response's id is the job's."""
+
+    __tablename__ = "openai_response"
+
+    job_id: str = Field(foreign_key="job.id", primary_key=True)
+    model: str = Field(max_length=256)
+    """As the request named it: ``conductor`` or ``conductor/<planner>``."""
+    background: bool
+    instructions: bool
+    """Whether the request had ``instructions``: they are then the first message of the job's ``context``."""
+
+
 class TenantSettings(SQLModel, table=True):
     """Per-tenant settings the operator manages with ``conductor webhooks``."""
 

@@ -172,6 +172,14 @@ UNSTORABLE_OPENAI_INPUT = [
                  '"content": [{"type": "text", "text": "\\udbfd"}]}]}', id="lone-surrogate-in-chat-part"),
     pytest.param("POST", "/v1/chat/completions", '{"model": "conductor\\u0000", "messages": [{"role": "user", '
                  '"content": "x"}]}', id="nul-in-chat-model"),
+    pytest.param("GET", "/v1/responses/%00", None, id="nul-in-response-id"),
+    pytest.param("POST", "/v1/responses/%00/cancel", None, id="nul-in-response-id-cancel"),
+    pytest.param("GET", "/v1/responses/%00/input_items", None, id="nul-in-response-id-input-items"),
+    pytest.param("POST", "/v1/responses", '{"model": "conductor", "input": "a\\u0000"}', id="nul-in-response-input"),
+    pytest.param("POST", "/v1/responses", '{"model": "conductor", "input": "x", "instructions": "\\udbfd"}',
+                 id="lone-surrogate-in-response-instructions"),
+    pytest.param("POST", "/v1/responses", '{"model": "conductor", "input": [{"role": "user", "content": '
+                 '[{"type": "input_text", "text": "\\u0000"}]}]}', id="nul-in-response-input-part"),
 ]
 
 

@@ -4,6 +4,9 @@ The job runs through the normal pipeline (plan, steps on the Celery workers); th
 here, up to ``chat_max_wait_s``, polling the job's row with a short session per poll, so a waiting
 request holds no database connection. A client that disconnects leaves the job running: its id is in
 the ``Conductor-Job-Id`` header, and ``GET /v1/jobs/{id}`` has the answer.
+
+The Responses API (``openai_responses.py``) submits, waits and streams with the public functions here
+(``submit_conversation``, ``wait_for_job``, ``read_progress``, ``held_stream``, …).
 """
 
 from __future__ import annotations

@@ -1,0 +1,128 @@
+"""OpenAI's Responses API as Conductor jobs: a request becomes a job as a chat conversation does
+(``chat.conversation_job``), and a job, with its ``openai_response`` row, becomes a ``response`` object.
+
+The response's id is the job's. Its status follows the job's: ``queued`` → ``queued``, ``planning`` and
+``running`` → ``in_progress``, ``succeeded`` → ``completed`` (``incomplete`` when the answering step was
+cut at its token limit or withheld by its provider), ``failed`` → ``failed``, ``cancelled`` → ``cancelled``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from conductor.chat import ChatJob, ChatRequestError, conversation_job, job_ref
+from conductor.errors import ErrorType
+from conductor.openai_wire import (
+    IncompleteDetails,
+    OutputMessage,
+    OutputText,
+    ResponseCreateRequest,
+    ResponseErrorBody,
+    ResponseObject,
+    ResponseStatus,
+    ResponseUsage,
+)
+from conductor.settings import Settings
+from conductor.store.models import Job, JobStatus, OpenAIResponse
+
+_STATUSES: dict[str, ResponseStatus] = {
+    JobStatus.QUEUED: "queued",
+    JobStatus.PLANNING: "in_progress",
+    JobStatus.RUNNING: "in_progress",
+    JobStatus.SUCCEEDED: "completed",
+    JobStatus.FAILED: "failed",
+    JobStatus.CANCELLED: "cancelled",
+}
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+"""The answering step's finish reason (``store.answer_finish_reasons``) that makes a response incomplete."""
+_RATE_LIMITED = {ErrorType.RATE_LIMITED, ErrorType.RATE_LIMIT_TIMEOUT}
+"""Job error types told as ``rate_limit_exceeded``; every other is a ``server_error`` (its type says which)."""
+
+
+def response_job(request: ResponseCreateRequest, settings: Settings) -> ChatJob:
+    """The job a response request asks for: the input's last message (a user message; a string input is
+    one) is the task, the instructions and the earlier messages its context. ``store: false`` is refused:
+    every response is a job, kept with its steps for audit and read back by id."""
+    if request.store is False:
+        raise ChatRequestError(
+            "store=false cannot be honoured: every response is a job, stored with its steps and read back "
+            "with GET /v1/responses/{id}; omit store or set it to true",
+            param="store", code="unsupported_parameter",
+        )
+    return conversation_job(request.model, request.turns(), request.metadata, settings, param="input",
+                            system=request.instructions)
+
+
+def response_row(job_id: str, request: ResponseCreateRequest) -> OpenAIResponse:
+    return OpenAIResponse(job_id=job_id, model=request.model, background=bool(request.background),
+                          instructions=bool(request.instructions))
+
+
+def response_status(job: Job, answer_finish_reason: str | None = None) -> ResponseStatus:
+    if job.status == JobStatus.SUCCEEDED and answer_finish_reason in _INCOMPLETE:
+        return "incomplete"
+    return _STATUSES[job.status]
+
+
+def output_message(job: Job, status: ResponseStatus) -> OutputMessage:
+    """The answer as the response's one output item (``response.output_text`` reads it)."""
+    return OutputMessage(id=message_id(job.id), status="incomplete" if status == "incomplete" else "completed",
+                         content=[OutputText(text=job.answer or "")])
+
+
+def message_id(job_id: str) -> str:
+    return f"msg_{job_id}"
+
+
+def response_object(job: Job, row: OpenAIResponse, answer_finish_reason: str | None = None) -> ResponseObject:
+    """The response as it stands. ``job`` must have ``context`` and ``metadata`` read when the request had
+    instructions or metadata (``store.responses.get_response`` reads the whole row)."""
+    status = response_status(job, answer_finish_reason)
+    ended = job.finished_at is not None and job.status in JobStatus.TERMINAL
+    reason = _INCOMPLETE.get(answer_finish_reason or "") if status == "incomplete" else None
+    return ResponseObject(
+        id=job.id,
+        created_at=int(job.created_at.timestamp()),
+        status=status,
+        model=row.model,
+        output=[output_message(job, status)] if status in ("completed", "incomplete") else [],
+        usage=usage(job) if ended else None,
+        error=error(job) if status == "failed" else None,
+        incomplete_details=IncompleteDetails(reason=reason) if reason else None,
+        instructions=instructions(job, row),
+        metadata=dict(getattr(job, "meta", None) or {}),
+        background=row.background,
+        completed_at=int(job.finished_at.timestamp()) if status == "completed" and job.finished_at else None,
+        conductor=job_ref(job),
+    )
+
+
+def error(job: Job) -> ResponseErrorBody:
+    kind = job.error_type or ErrorType.INTERNAL_ERROR
+    code: Literal["server_error", "rate_limit_exceeded"] = (
+        "rate_limit_exceeded" if kind in _RATE_LIMITED else "server_error")
+    return ResponseErrorBody(code=code, message=job.error_message or kind, type=kind)
+
+
+def usage(job: Job) -> ResponseUsage:
+    return ResponseUsage(input_tokens=job.input_tokens, output_tokens=job.output_tokens,
+                         total_tokens=job.input_tokens + job.output_tokens)
+
+
+def instructions(job: Job, row: OpenAIResponse) -> str | None:
+    context = getattr(job, "context", None) or []
+    return str(context[0]["content"]) if row.instructions and context else None
+
+
+def input_items(job: Job, row: OpenAIResponse) -> list[dict[str, Any]]:
+    """The input's messages, in order, as OpenAI lists them (the instructions are not an input item; a
+    developer message reads back as a system message, as the job's context holds it)."""
+    context = list(job.context or [])[1 if row.instructions else 0:]
+    turns = [(str(m["role"]), str(m["content"])) for m in context] + [("user", job.task)]
+    return [_item(f"{message_id(job.id)}_in{n}", role, text) for n, (role, text) in enumerate(turns)]
+
+
+def _item(item_id: str, role: str, text: str) -> dict[str, Any]:
+    part = ({"type": "output_text", "text": text, "annotations": []} if role == "assistant"
+            else {"type": "input_text", "text": text})
+    return {"id": item_id, "type": "message", "role": role, "status": "completed", "content": [part]}

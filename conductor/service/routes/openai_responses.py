@@ -1,0 +1,311 @@
+"""OpenAI's Responses API over jobs: ``POST /v1/responses`` (waiting, in the background, or streamed),
+``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, ``GET /v1/responses/{id}/input_items``;
+``DELETE`` is refused (jobs are kept).
+
+A response is one job (``conductor/responses.py`` maps the two) submitted, waited for and streamed by the
+chat endpoint's machinery (``routes/openai_chat.py``): the same quotas, wait bound (``chat_max_wait_s``),
+key checks, stream slots and error bodies. Its id is the job's, so ``GET /v1/jobs/{id}/steps`` shows its
+steps; another tenant's response, or a job not made by this route, is 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from functools import partial
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from sqlmodel import Session
+
+from conductor.openai_wire import InputItemList, ResponseCreateRequest, ResponseObject
+from conductor.quotas import open_stream
+from conductor.responses import input_items, response_job, response_object, response_row
+from conductor.service.deps import JOB_ID_RE, SettingsDep, bearer_key
+from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
+from conductor.service.routes.openai_chat import (
+    HEARTBEAT_S,
+    JOB_HEADER,
+    BriefTenantDep,
+    KeyRevoked,
+    answer_finish_reason_of,
+    held_stream,
+    read_progress,
+    submit_conversation,
+    wait_failed_message,
+    wait_for_job,
+)
+from conductor.service.stream_polls import Pace, failure_reason, poll, release_slot
+from conductor.settings import Settings
+from conductor.store.db import get_engine
+from conductor.store.models import Job, JobStatus, OpenAIResponse
+from conductor.store.responses import get_response, insert_response
+
+router = APIRouter(tags=["openai"])
+
+MAX_INPUT_ITEMS_PAGE = 100
+DEFAULT_INPUT_ITEMS_PAGE = 20
+"""``GET /v1/responses/{id}/input_items``'s ``limit``, as OpenAI's (1-100, default 20)."""
+
+STREAM_RESPONSE = {
+    "description": "With `stream: true`: the Responses API's server-sent events (`response.created`, …, "
+                   "`response.completed` or `response.failed`/`response.incomplete`, or an `error` event).",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+@router.post(
+    "/v1/responses",
+    response_model=ResponseObject,
+    responses={**openai_errors(400, 401, 404, 413, 429, 503, 504), 200: STREAM_RESPONSE},
+)
+async def create_response(
+    body: ResponseCreateRequest,
+    response: Response,
+    settings: SettingsDep,
+    tenant: BriefTenantDep,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Any:
+    """Runs the input as a job (its last user message the task, the instructions and earlier messages its
+    context). `background: true` answers at once (`queued`); poll `GET /v1/responses/{id}`. Otherwise
+    the request waits for the job's end, up to `CONDUCTOR_CHAT_MAX_WAIT_S`, and answers the response
+    whatever its status (`completed`, `incomplete`, `failed`, `cancelled`); `stream: true` sends the
+    Responses API's events. Extension: `conductor` (the job id, status, cost)."""
+    key = bearer_key(settings, authorization)  # looked up again every KEY_CHECK_S: revoking it ends the wait
+    if not body.stream:
+        job_id = await run_in_threadpool(_submit, body, settings, tenant)
+        headers = {JOB_HEADER: job_id, **NO_RETRY}  # the job exists from here on: a retry would start a second one
+        if not body.background:
+            ended = await wait_for_job(job_id, settings, key, headers=headers, what="response")
+            if ended is None:
+                raise OpenAIError(504, f"response {job_id} is still running after {settings.chat_max_wait_s:g}s; "
+                                  f"it goes on: GET /v1/responses/{job_id} has it when it ends (or create it "
+                                  f"with background=true and poll)", code="job_timeout", headers=headers)
+        try:
+            answer = await run_in_threadpool(_read, job_id, tenant, settings)
+        except OpenAIError:
+            raise
+        except Exception as exc:
+            raise OpenAIError(503, wait_failed_message(job_id, type(exc).__name__), code="job_wait_failed",
+                              headers=headers) from exc
+        response.headers[JOB_HEADER] = job_id
+        return answer
+    slot = uuid.uuid4().hex  # a stream takes one of the tenant's stream slots, as chat streams do
+    await run_in_threadpool(open_stream, tenant, slot, settings)
+    try:
+        job_id = await run_in_threadpool(_submit, body, settings, tenant)
+    except BaseException:
+        await release_slot(tenant, slot, settings)
+        raise
+    events = ResponseEvents(job_id, tenant, settings, key)
+    return StreamingResponse(
+        held_stream(events.stream(), job_id, tenant, slot, settings, lapsed=events.lapsed),
+        media_type="text/event-stream",
+        headers={JOB_HEADER: job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject,
+            responses=openai_errors(400, 401, 404, 503))
+def retrieve_response(response_id: str, response: Response, settings: SettingsDep, tenant: BriefTenantDep,
+                      stream: bool = False) -> ResponseObject:
+    """The response as it stands (poll it until `status` is `completed`, `incomplete`, `failed` or
+    `cancelled`). `stream=true` (resuming a stream) is not supported."""
+    if stream:
+        raise OpenAIError(400, "streaming a stored response is not supported: poll GET /v1/responses/{id}, "
+                          "or create the response with stream=true", param="stream", code="unsupported_parameter")
+    answer = _read(response_id, tenant, settings)
+    response.headers[JOB_HEADER] = answer.id  # (the id checked: a header cannot hold every path's characters)
+    return answer
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject,
+             responses=openai_errors(401, 404, 409, 503))
+def cancel_response(response_id: str, response: Response, settings: SettingsDep,
+                    tenant: BriefTenantDep) -> ResponseObject:
+    """Cancels the response's job (background or not: a request waiting for it then answers it
+    `cancelled`). A response already cancelled is answered as it is; one that ended otherwise is 409."""
+    from conductor.engine import cancel_job
+    from conductor.tasks.send import send_webhooks_of
+
+    current = _read(response_id, tenant, settings)
+    if current.status in ("completed", "incomplete", "failed"):
+        raise OpenAIError(409, f"response {response_id} is {current.status}; nothing to cancel",
+                          code="response_already_ended", headers=dict(NO_RETRY))
+    if current.status != "cancelled" and cancel_job(current.id):
+        send_webhooks_of(current.id)
+    response.headers[JOB_HEADER] = current.id
+    return _read(current.id, tenant, settings)
+
+
+@router.delete("/v1/responses/{response_id}", status_code=204, responses=openai_errors(400, 401, 404, 503))
+def delete_response(response_id: str, settings: SettingsDep, tenant: BriefTenantDep) -> None:
+    """Always refused (400 `response_not_deletable`; never 204): a response is a job, and jobs are kept
+    with their steps for audit."""
+    _found(response_id, tenant, settings)
+    raise OpenAIError(400, f"response {response_id} is job {response_id}, kept with its steps for audit as every "
+                      f"job is: it cannot be deleted. POST /v1/responses/{response_id}/cancel stops it while it "
+                      f"runs", code="response_not_deletable")
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=openai_errors(400, 401, 404, 503))
+def list_input_items(
+    response_id: str,
+    settings: SettingsDep,
+    tenant: BriefTenantDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_INPUT_ITEMS_PAGE)] = DEFAULT_INPUT_ITEMS_PAGE,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> InputItemList:
+    """The input's messages (not the instructions), newest first unless `order=asc`; `after` an item id."""
+    job, row = _found(response_id, tenant, settings)
+    items = input_items(job, row)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise OpenAIError(400, f"no input item {after} in response {response_id}", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                         last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
+
+
+def _submit(body: ResponseCreateRequest, settings: Settings, tenant: str) -> str:
+    def add_row(session: Session, job: Job) -> None:
+        insert_response(session, response=response_row(job.id, body))
+
+    return submit_conversation(lambda: response_job(body, settings), body.model, settings, tenant, also=add_row)
+
+
+def _found(response_id: str, tenant: str, settings: Settings) -> tuple[Job, OpenAIResponse]:
+    found = None
+    if JOB_ID_RE.fullmatch(response_id):
+        with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
+            found = get_response(session, job_id=response_id, tenant=tenant)
+    if found is None:
+        shown = response_id if JOB_ID_RE.fullmatch(response_id) else "(malformed id)"
+        raise OpenAIError(404, f"no response {shown} for this API key (a job made by POST /v1/jobs, "
+                          f"chat completions or a batch is not a response: GET /v1/jobs/{{id}} reads it)",
+                          code="response_not_found", param="response_id")
+    return found
+
+
+def _read(response_id: str, tenant: str, settings: Settings) -> ResponseObject:
+    job, row = _found(response_id, tenant, settings)
+    reason = answer_finish_reason_of(job.id, settings.database_url) if job.status == JobStatus.SUCCEEDED else None
+    return response_object(job, row, reason)
+
+
+class ResponseEvents:
+    """One response's stream: the Responses API's events, each with its ``sequence_number``.
+
+    ``response.created``; ``response.in_progress`` once the job is planned or running, and again (with the
+    extension ``conductor.step``) at each step's status change; then the answer as ``output_item.added``,
+    ``content_part.added``, one ``output_text.delta``, ``output_text.done``, ``content_part.done``,
+    ``output_item.done`` and ``response.completed`` (``response.incomplete`` when cut); a failed or
+    cancelled job ends with ``response.failed`` (status ``failed`` or ``cancelled``). The wait bound, a
+    revoked key, the database staying away and a lapsed stream slot end it with an ``error`` event naming
+    the response, which goes on. ``: keep-alive`` comments every ``HEARTBEAT_S``."""
+
+    def __init__(self, job_id: str, tenant: str, settings: Settings, key: str | None):
+        self.job_id, self.tenant, self.settings, self.key = job_id, tenant, settings, key
+        self.sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, **fields, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+    def error(self, code: str, message: str) -> str:
+        return self.event("error", code=code, message=message, param=None)
+
+    def lapsed(self, message: str) -> list[str]:
+        return [self.error("rate_limit_exceeded", message)]
+
+    async def stream(self) -> AsyncGenerator[str, None]:
+        job_id, settings = self.job_id, self.settings
+        deadline = time.monotonic() + settings.chat_max_wait_s
+        seen: dict[str, str] = {}
+        pace = Pace()
+        last_sent = time.monotonic()
+        try:  # the key is looked up every KEY_CHECK_S and before the end is told
+            base = await poll(lambda: _read(job_id, self.tenant, settings), job_id=job_id)
+            job, steps = await poll(partial(read_progress, job_id, settings, self.key, key_due=pace.key_due()),
+                                    job_id=job_id)
+            yield self.event("response.created", response=_dump(base))
+            while True:
+                changed = False
+                if job.status in (JobStatus.PLANNING, JobStatus.RUNNING) and seen.get("job") != job.status:
+                    seen["job"] = job.status
+                    changed = True
+                    yield self.event("response.in_progress", response=_progress(base, job))
+                for st in steps:
+                    name = f"step:{st['index']}"
+                    if seen.get(name) != st["status"]:
+                        seen[name] = st["status"]
+                        changed = True
+                        yield self.event("response.in_progress", response=_progress(base, job, st))
+                if job.status in JobStatus.TERMINAL or time.monotonic() >= deadline:
+                    break
+                if changed:
+                    last_sent = time.monotonic()
+                elif time.monotonic() - last_sent > HEARTBEAT_S:
+                    last_sent = time.monotonic()
+                    yield ": keep-alive\n\n"
+                await asyncio.sleep(min(pace.after(changed), max(0.0, deadline - time.monotonic())))
+                job, steps = await poll(partial(read_progress, job_id, settings, self.key, key_due=pace.key_due()),
+                                        job_id=job_id)
+            final = (await poll(lambda: _read(job_id, self.tenant, settings), job_id=job_id)
+                     if job.status in JobStatus.TERMINAL else None)
+        except KeyRevoked as exc:
+            yield self.error("invalid_api_key", str(exc))
+            return
+        except Exception as exc:  # the database stayed away (or a bug): an error naming the response
+            yield self.error("job_wait_failed", wait_failed_message(job_id, failure_reason(job_id, exc)))
+            return
+        if final is None:
+            yield self.error("job_timeout", f"response {job_id} is still running after "
+                                            f"{settings.chat_max_wait_s:g}s; it goes on: GET /v1/responses/{job_id} "
+                                            f"has it when it ends")
+            return
+        if final.status in ("completed", "incomplete"):
+            for event in self._answer(final):
+                yield event
+        else:
+            yield self.event("response.failed", response=_dump(final))
+
+    def _answer(self, final: ResponseObject) -> list[str]:
+        item = final.output[0]
+        text = item.content[0].text
+        at = {"item_id": item.id, "output_index": 0, "content_index": 0}
+        added = {**item.model_dump(mode="json"), "status": "in_progress", "content": []}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_item.added", output_index=0, item=added),
+            self.event("response.content_part.added", **at, part={**part, "text": ""}),
+            self.event("response.output_text.delta", **at, delta=text, logprobs=[]),
+            self.event("response.output_text.done", **at, text=text, logprobs=[]),
+            self.event("response.content_part.done", **at, part=part),
+            self.event("response.output_item.done", output_index=0, item=item.model_dump(mode="json")),
+            self.event(f"response.{final.status}", response=_dump(final)),
+        ]
+
+
+def _dump(response: ResponseObject) -> dict[str, Any]:
+    return response.model_dump(mode="json")
+
+
+def _progress(base: ResponseObject, job: Job, step: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The response as first read, its status and ``conductor`` field as the job now stands."""
+    shown = _dump(base)
+    shown["status"] = "queued" if job.status == JobStatus.QUEUED else "in_progress"
+    shown["conductor"] = {**shown["conductor"], "status": job.status, "step": step}
+    return shown
+

@@ -1,0 +1,259 @@
+"""The official ``openai`` client, unchanged, against the Responses API: background responses polled to
+their end and cancelled, responses waited for, streamed events (raw and through the SDK's own stream
+accumulator), input items, tenant isolation and the OpenAI error shape; real jobs on the Celery workers
+(sim pool), as the chat completion tests run them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from conductor.store.db import session_scope
+from conductor.store.keys import revoke_key
+from tests.integration.conftest import new_key
+from tests.integration.harness import start_api, wait_terminal
+
+ENDED = ("completed", "incomplete", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def key(api: str) -> str:
+    return new_key("tenant-responses")
+
+
+@pytest.fixture(scope="module")
+def oai(api: str, key: str, workers: Any) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http(api: str, key: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        yield c
+
+
+def _polled(oai: openai.OpenAI, response_id: str, timeout: float = 90) -> Any:
+    """Polls as a background client does. The timeout only keeps a broken run from hanging."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = oai.responses.retrieve(response_id)
+        if response.status in ENDED or time.monotonic() > deadline:
+            return response
+        time.sleep(0.2)
+
+
+def test_a_background_response_is_queued_at_once_and_polled_to_its_end(oai: openai.OpenAI,
+                                                                       http: httpx.Client) -> None:
+    raw = oai.responses.with_raw_response.create(
+        model="conductor", input="What is 6 x 7?", instructions="Answer in French.", background=True,
+        metadata={"team": "search"},
+    )
+    created = raw.parse()
+    assert created.status in ("queued", "in_progress") and created.output == [] and created.usage is None
+    assert created.background is True and created.object == "response"
+    assert raw.headers["conductor-job-id"] == created.id == (created.model_extra or {})["conductor"]["job_id"]
+
+    done = _polled(oai, created.id)
+    job = http.get(f"/v1/jobs/{created.id}").json()
+    assert done.status == "completed" and job["status"] == "succeeded"
+    assert done.output_text == job["answer"] != ""
+    assert done.model == "conductor" and done.background is True and done.completed_at is not None
+    assert done.instructions == "Answer in French." and done.metadata == {"team": "search"}
+    assert job["metadata"] == {"team": "search"} and job["task"] == "What is 6 x 7?"
+    assert done.usage is not None
+    assert done.usage.input_tokens == job["usage"]["input_tokens"] > 0
+    assert done.usage.output_tokens == job["usage"]["output_tokens"] > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    # The instructions reached the worker as a system turn before its own instruction.
+    step = http.get(f"/v1/jobs/{created.id}/steps").json()["data"][0]
+    assert {"role": "system", "content": "Answer in French."} in step["messages"]
+    items = oai.responses.input_items.list(created.id)
+    assert [(i.role, i.content[0].text) for i in items.data] == [("user", "What is 6 x 7?")]  # type: ignore[union-attr]
+
+
+def test_a_response_waited_for_takes_message_items_and_names_a_planner(oai: openai.OpenAI,
+                                                                      http: httpx.Client) -> None:
+    response = oai.responses.create(
+        model="conductor/template:pev",
+        input=[{"role": "developer", "content": "Use metric units."},
+               {"role": "user", "content": [{"type": "input_text", "text": "How far is it?"}]},
+               {"role": "assistant", "content": "From where?"},
+               {"role": "user", "content": "From Paris to Lyon."}],
+    )
+    assert response.status == "completed" and response.background is False
+    job = http.get(f"/v1/jobs/{response.id}").json()
+    assert job["planner"] == "template:pev" and job["task"] == "From Paris to Lyon."
+    assert response.output_text == job["answer"] and response.model == "conductor/template:pev"
+    steps = http.get(f"/v1/jobs/{response.id}/steps").json()["data"]
+    assert steps[0]["messages"][1:4] == [{"role": "system", "content": "Use metric units."},
+                                         {"role": "user", "content": "How far is it?"},
+                                         {"role": "assistant", "content": "From where?"}]
+    asc = oai.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [i.role for i in asc.data] == ["system", "user"] and asc.has_more  # type: ignore[union-attr]
+    rest = oai.responses.input_items.list(response.id, order="asc", after=asc.last_id)
+    assert [i.role for i in rest.data] == ["assistant", "user"] and not rest.has_more  # type: ignore[union-attr]
+
+
+def test_the_stream_sends_the_sdks_event_sequence(oai: openai.OpenAI, http: httpx.Client) -> None:
+    events = list(oai.responses.create(model="conductor/template:fanout", input="compare", stream=True))
+    names = [e.type for e in events]
+    assert names[0] == "response.created" and names[1] == "response.in_progress"
+    answer = names.index("response.output_item.added")
+    assert set(names[1:answer]) == {"response.in_progress"}
+    assert names[answer:] == ["response.output_item.added", "response.content_part.added",
+                              "response.output_text.delta", "response.output_text.done",
+                              "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    response_id = events[0].response.id  # type: ignore[union-attr]
+    job = http.get(f"/v1/jobs/{response_id}").json()
+    final = events[-1].response  # type: ignore[union-attr]
+    assert job["status"] == "succeeded" and final.output_text == job["answer"]
+    assert final.usage is not None and final.usage.input_tokens == job["usage"]["input_tokens"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == job["answer"]
+    # Progress: each step's move to succeeded came as an in_progress event's extension field.
+    steps = [(e.response.model_extra or {})["conductor"]["step"] for e in events  # type: ignore[union-attr]
+             if e.type == "response.in_progress"]
+    succeeded = {s["index"] for s in steps if s and s["status"] == "succeeded"}
+    assert succeeded == {s["index"] for s in job["workflow"]["steps"]} == {0, 1, 2, 3}
+
+    # The SDK's accumulating helper checks the events' consistency (ids, indexes, output items) itself.
+    with oai.responses.stream(model="conductor", input="y") as stream:
+        for _ in stream:
+            pass
+        accumulated = stream.get_final_response()
+    assert accumulated.status == "completed"
+    assert accumulated.output_text == http.get(f"/v1/jobs/{accumulated.id}").json()["answer"] != ""
+
+
+@pytest.fixture(scope="module")
+def failing_api(proc_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An API whose default pool has one agent, whose every call fails: its jobs fail at their step."""
+    pool = tmp_path_factory.mktemp("failing") / "failing.yaml"
+    pool.write_text("planner: template:single\nfallback: template:single\nagents:\n"
+                    "  broken: {provider: sim, options: {always_fail: true, error: server}}\n")
+    proc, url = start_api({**proc_env, "CONDUCTOR_POOL_FILE": str(pool)})
+    yield url
+    proc.stop()
+
+
+def test_a_failed_job_is_a_failed_response_with_its_error(failing_api: str, key: str, http: httpx.Client,
+                                                          workers: Any) -> None:
+    with openai.OpenAI(base_url=f"{failing_api}/v1", api_key=key, max_retries=0) as client:
+        response = client.responses.create(model="conductor", input="x")
+        events = list(client.responses.create(model="conductor", input="x", stream=True))
+    job = http.get(f"/v1/jobs/{response.id}").json()
+    assert job["status"] == "failed" and response.status == "failed" and response.output == []
+    assert response.error is not None and response.error.code == "server_error"
+    assert response.error.type == job["error"]["type"] and response.error.message == job["error"]["message"]
+    assert response.usage is not None and response.usage.input_tokens == job["usage"]["input_tokens"]
+    # Streamed, it ends with response.failed (no output items), carrying the same error.
+    assert (events[0].type, events[-1].type) == ("response.created", "response.failed")
+    assert not any(e.type.startswith("response.output") for e in events)
+    failed = events[-1].response  # type: ignore[union-attr]
+    assert failed.status == "failed" and failed.error is not None and failed.error.type == job["error"]["type"]
+
+
+def test_cancel_ends_a_background_response(oai: openai.OpenAI, http: httpx.Client) -> None:
+    created = oai.responses.create(model="conductor/slow", input="z", background=True)
+    cancelled = oai.responses.cancel(created.id)
+    assert cancelled.status == "cancelled" and cancelled.error is None and cancelled.output == []
+    assert http.get(f"/v1/jobs/{created.id}").json()["status"] == "cancelled"
+    assert oai.responses.retrieve(created.id).status == "cancelled"
+    assert oai.responses.cancel(created.id).status == "cancelled"  # again: answered as it is
+
+    finished = oai.responses.create(model="conductor", input="w")
+    with pytest.raises(openai.ConflictError) as ended:
+        oai.responses.cancel(finished.id)
+    assert ended.value.code == "response_already_ended"
+    assert ended.value.response.headers["x-should-retry"] == "false"
+
+
+def test_another_tenant_and_other_jobs_are_not_found(oai: openai.OpenAI, api: str, http: httpx.Client) -> None:
+    mine = oai.responses.create(model="conductor", input="mine", background=True)
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("tenant-responses-other"), max_retries=0) as other:
+        for read in (lambda: other.responses.retrieve(mine.id), lambda: other.responses.cancel(mine.id),
+                     lambda: other.responses.input_items.list(mine.id), lambda: other.responses.delete(mine.id)):
+            with pytest.raises(openai.NotFoundError) as hidden:
+                read()
+            assert hidden.value.code == "response_not_found"
+    assert _polled(oai, mine.id).status == "completed"  # untouched by the other tenant's cancel
+    chat = oai.chat.completions.create(model="conductor", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(chat.id)  # a job, not a response
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve("nope")
+
+
+def test_refusals_have_the_openai_shape_and_say_what_to_do(oai: openai.OpenAI, http: httpx.Client) -> None:
+    done = oai.responses.create(model="conductor", input="kept")
+    with pytest.raises(openai.BadRequestError) as deleted:
+        oai.responses.delete(done.id)
+    assert deleted.value.code == "response_not_deletable" and "cancel" in deleted.value.message
+    assert http.get(f"/v1/jobs/{done.id}").status_code == 200
+    with pytest.raises(openai.BadRequestError) as unstored:
+        oai.responses.create(model="conductor", input="x", store=False)
+    assert unstored.value.param == "store" and "store=false" in unstored.value.message
+    with pytest.raises(openai.NotFoundError) as unknown:
+        oai.responses.create(model="gpt-5", input="x")
+    assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as last_turn:
+        oai.responses.create(model="conductor", input=[{"role": "user", "content": "x"},
+                                                       {"role": "assistant", "content": "y"}])
+    assert last_turn.value.param == "input.1"
+    with pytest.raises(openai.BadRequestError) as tools:
+        oai.responses.create(model="conductor", input="x", tools=[{"type": "web_search"}])
+    assert "tools" in (tools.value.param or "")
+    with pytest.raises(openai.BadRequestError) as resumed:
+        oai.responses.retrieve(done.id, stream=True)
+    assert resumed.value.param == "stream"
+    r = http.post("/v1/responses", json={"model": "conductor", "input": "x", "previous_response_id": done.id})
+    assert r.status_code == 400 and set(r.json()) == {"error"}
+
+
+def test_a_response_outlasting_the_wait_is_a_504_and_goes_on(proc_env: dict[str, str], key: str,
+                                                             http: httpx.Client, workers: Any) -> None:
+    """With a 1 s wait, a response waited for (or streamed) whose planner takes longer answers 504 /
+    ends with an ``error`` event, naming the response, which still ends normally and can be polled."""
+    proc, url = start_api({**proc_env, "CONDUCTOR_CHAT_MAX_WAIT_S": "1"})
+    try:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+            with pytest.raises(openai.APIStatusError) as late:
+                client.responses.create(model="conductor/slow", input="z")
+            assert late.value.status_code == 504 and late.value.code == "job_timeout"
+            assert late.value.response.headers["x-should-retry"] == "false"
+            response_id = late.value.response.headers["conductor-job-id"]
+            assert f"GET /v1/responses/{response_id}" in late.value.message
+            events = list(client.responses.create(model="conductor/slow", input="z", stream=True))
+            assert [e.type for e in events][-1] == "error"
+            streamed_id = events[0].response.id  # type: ignore[union-attr]
+            assert events[-1].code == "job_timeout" and streamed_id in events[-1].message  # type: ignore[union-attr]
+            assert _polled(client, response_id).status == "completed"
+    finally:
+        proc.stop()
+    assert wait_terminal(http, streamed_id)["status"] == "succeeded"
+
+
+def test_a_revoked_key_ends_the_stream_naming_the_response(api: str, workers: Any) -> None:
+    """As a chat stream: the key is looked up again every few seconds; revoked, the stream ends with an
+    ``error`` event naming the response, which goes on to its end (read with another key of the tenant)."""
+    tenant = "responses-revoked-stream"
+    streaming_key = new_key(tenant)
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=streaming_key, max_retries=0) as client:
+        events = iter(client.responses.create(model="conductor/slow", input="z", stream=True))
+        first = next(events)
+        assert first.type == "response.created"
+        with session_scope() as s:
+            assert revoke_key(s, prefix=streaming_key[:10]) == 1
+        rest = list(events)
+    assert rest[-1].type == "error" and rest[-1].code == "invalid_api_key"  # type: ignore[union-attr]
+    response_id = first.response.id  # type: ignore[union-attr]
+    assert response_id in rest[-1].message  # type: ignore[union-attr]
+    assert not any(e.type.startswith("response.output") for e in rest)
+    with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {new_key(tenant)}"}, timeout=30) as other:
+        assert wait_terminal(other, response_id)["status"] == "succeeded"

@@ -1,0 +1,143 @@
+"""A job as OpenAI's Responses API tells it: the response object and the stream events validate against the
+installed ``openai`` SDK's own models (strictly: ``model_validate``, not the lenient construction the client
+uses), for every status a job can be in; and the request takes the input shapes the SDK sends."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import openai.types.responses as sdk
+import pytest
+from pydantic import ValidationError
+
+from conductor.openai_wire import ResponseCreateRequest
+from conductor.responses import input_items, response_job, response_object
+from conductor.service.routes.openai_responses import ResponseEvents
+from conductor.settings import Settings
+from conductor.store.models import Job, OpenAIResponse
+
+T0 = datetime(2026, 11, 25, 9, 0, tzinfo=UTC)
+T1 = datetime(2026, 11, 25, 9, 1, tzinfo=UTC)
+
+
+def _job(status: str, **fields: Any) -> Job:
+    ended = status in ("succeeded", "failed", "cancelled")
+    base: dict[str, Any] = dict(id="0" * 32, status=status, created_at=T0, finished_at=T1 if ended else None,
+                                answer="42" if status == "succeeded" else None, error_type=None, error_message=None,
+                                input_tokens=10, output_tokens=5, cost_usd=0.001, calls=2, task="What is 6 x 7?",
+                                context=[{"role": "system", "content": "Be brief."}], meta={"team": "x"})
+    return Job.model_construct(**{**base, **fields})
+
+
+ROW = OpenAIResponse(job_id="0" * 32, model="conductor", background=True, instructions=True)
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "fields", "expected"),
+    [("queued", None, {}, "queued"), ("planning", None, {}, "in_progress"), ("running", None, {}, "in_progress"),
+     ("succeeded", "stop", {}, "completed"), ("succeeded", "length", {}, "incomplete"),
+     ("succeeded", "content_filter", {}, "incomplete"),
+     ("failed", None, {"error_type": "budget_exceeded", "error_message": "no room"}, "failed"),
+     ("failed", None, {"error_type": "rate_limited", "error_message": "429"}, "failed"),
+     ("cancelled", None, {"error_type": "cancelled", "error_message": "the job was cancelled"}, "cancelled")],
+)
+def test_every_job_status_is_a_response_the_sdk_validates(status: str, reason: str | None, fields: dict[str, Any],
+                                                          expected: str) -> None:
+    wire = response_object(_job(status, **fields), ROW, reason).model_dump(mode="json")
+    parsed = sdk.Response.model_validate(json.loads(json.dumps(wire)))
+    assert parsed.status == expected and parsed.id == "0" * 32 and parsed.background is True
+    assert parsed.instructions == "Be brief." and parsed.metadata == {"team": "x"}
+    assert (parsed.model_extra or {})["conductor"]["job_id"] == "0" * 32
+    if expected in ("completed", "incomplete"):
+        assert parsed.output_text == "42"
+        assert parsed.usage is not None and parsed.usage.total_tokens == 15
+        assert parsed.usage.input_tokens_details.cached_tokens == 0
+    else:
+        assert parsed.output == [] and parsed.output_text == ""
+    assert (parsed.completed_at is not None) == (expected == "completed")
+    if expected == "incomplete":
+        assert parsed.incomplete_details is not None
+        assert parsed.incomplete_details.reason == {"length": "max_output_tokens"}.get(reason or "", reason)
+    if expected == "failed":
+        assert parsed.error is not None and parsed.error.type == fields["error_type"]
+        limited = fields["error_type"] == "rate_limited"
+        assert parsed.error.code == ("rate_limit_exceeded" if limited else "server_error")
+    else:
+        assert parsed.error is None
+
+
+def test_the_answer_events_validate_against_the_sdks_event_models() -> None:
+    final = response_object(_job("succeeded"), ROW, "stop")
+    events = ResponseEvents("0" * 32, "t", Settings(), None)
+    kinds = {
+        "response.output_item.added": sdk.ResponseOutputItemAddedEvent,
+        "response.content_part.added": sdk.ResponseContentPartAddedEvent,
+        "response.output_text.delta": sdk.ResponseTextDeltaEvent,
+        "response.output_text.done": sdk.ResponseTextDoneEvent,
+        "response.content_part.done": sdk.ResponseContentPartDoneEvent,
+        "response.output_item.done": sdk.ResponseOutputItemDoneEvent,
+        "response.completed": sdk.ResponseCompletedEvent,
+    }
+    sent = [_sse(e) for e in events._answer(final)]
+    assert [name for name, _ in sent] == list(kinds)
+    assert [data["sequence_number"] for _, data in sent] == list(range(len(kinds)))
+    for name, data in sent:
+        assert kinds[name].model_validate(data).type == name
+    assert sent[2][1]["delta"] == "42" and sent[-1][1]["response"]["output"][0]["content"][0]["text"] == "42"
+    sdk.ResponseErrorEvent.model_validate(_sse(events.error("job_timeout", "still running"))[1])
+
+
+def _sse(event: str) -> tuple[str, dict[str, Any]]:
+    head, data = event.strip().split("\n")
+    return head.removeprefix("event: "), json.loads(data.removeprefix("data: "))
+
+
+def test_the_input_shapes_the_sdk_sends_are_taken_in_order() -> None:
+    request = ResponseCreateRequest.model_validate({
+        "model": "conductor/template:pev", "instructions": "Answer in French.",
+        "input": [{"role": "developer", "content": "Use metric units."},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "2+2?"}]},
+                  {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": "4", "annotations": []}]},
+                  {"role": "user", "content": "And times 3?"}],
+        "metadata": None, "temperature": None, "max_output_tokens": 500, "tools": [], "store": True,
+    })
+    made = response_job(request, Settings())
+    assert made.body.task == "And times 3?" and made.body.planner == "template:pev"
+    assert made.context == [{"role": "system", "content": "Answer in French."},
+                            {"role": "system", "content": "Use metric units."},
+                            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    job = _job("queued", task=made.body.task, context=made.context)
+    items = input_items(job, ROW)  # the instructions are not an input item
+    assert [(i["role"], i["content"][0]["text"]) for i in items] == [
+        ("system", "Use metric units."), ("user", "2+2?"), ("assistant", "4"), ("user", "And times 3?")]
+    for item in items:
+        parsed = (sdk.ResponseOutputMessage if item["role"] == "assistant" else sdk.ResponseInputMessageItem)
+        parsed.model_validate(item)
+
+
+@pytest.mark.parametrize("body", [
+    {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+    {"input": "x", "tools": [{"type": "web_search"}]},
+    {"input": "x", "previous_response_id": "resp_1"},
+    {"input": []},
+])
+def test_what_a_job_cannot_hold_is_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        ResponseCreateRequest.model_validate({"model": "conductor", **body})
+
+
+def test_store_false_and_a_last_turn_not_the_users_are_refused_naming_the_field() -> None:
+    from conductor.chat import ChatRequestError
+
+    with pytest.raises(ChatRequestError) as unstored:
+        response_job(ResponseCreateRequest(model="conductor", input="x", store=False), Settings())
+    assert unstored.value.param == "store" and "store=false" in str(unstored.value)
+    last = ResponseCreateRequest.model_validate({"model": "conductor", "instructions": "be brief", "input": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]})
+    with pytest.raises(ChatRequestError) as refused:
+        response_job(last, Settings())
+    assert refused.value.param == "input.1"  # its place in the input, the instructions not counted
