@@ -224,6 +224,24 @@ class ResponseCreateRequest(BaseModel):
     tools: Annotated[list[Any], Field(max_length=0)] | None = Field(default=None, description="Only `[]`.")
     tool_choice: Literal["none", "auto"] | None = None
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_messages_only(cls, v: Any) -> Any:
+        """An item or part this API cannot take is refused by its place and type, before pydantic would
+        report it against every member of the union (``input.str: Input should be a valid string``)."""
+        for n, item in enumerate(v if isinstance(v, list) else []):
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind not in (None, "message"):
+                raise ValueError(f"input.{n}: items of type {kind!r} are not accepted: only messages "
+                                 f"({{role, content}}) of text")
+            parts = item.get("content") if isinstance(item, dict) else None
+            for p, part in enumerate(parts if isinstance(parts, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("input_text", "output_text"):
+                    raise ValueError(f"input.{n}.content.{p}: content parts of type {kind!r} are not accepted: "
+                                     f"only input_text (and an earlier answer's output_text)")
+        return v
+
     @field_validator("model", "input", "instructions", "metadata", "user")
     @classmethod
     def _storable(cls, v: Any) -> Any:

@@ -130,6 +130,19 @@ def test_what_a_job_cannot_hold_is_refused(body: dict[str, Any]) -> None:
         ResponseCreateRequest.model_validate({"model": "conductor", **body})
 
 
+@pytest.mark.parametrize(("item", "said"), [
+    ({"type": "function_call_output", "call_id": "c", "output": "x"},
+     "input.1: items of type 'function_call_output' are not accepted"),
+    ({"role": "user", "content": [{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": "u"}]},
+     "input.1.content.1: content parts of type 'input_image' are not accepted"),
+])
+def test_an_item_or_part_refused_is_named_by_its_place_and_type(item: dict[str, Any], said: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        ResponseCreateRequest.model_validate({"model": "conductor", "input": [{"role": "user", "content": "a"}, item]})
+    (error,) = refused.value.errors()  # one error, not one per member of the union
+    assert error["loc"] == ("input",) and said in error["msg"]
+
+
 def test_store_false_and_a_last_turn_not_the_users_are_refused_naming_the_field() -> None:
     from conductor.chat import ChatRequestError
 
