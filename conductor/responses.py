@@ -75,8 +75,8 @@ def message_id(job_id: str) -> str:
 
 
 def response_object(job: Job, row: OpenAIResponse, answer_finish_reason: str | None = None) -> ResponseObject:
-    """The response as it stands. ``job`` must have ``context`` and ``metadata`` read when the request had
-    instructions or metadata (``store.responses.get_response`` reads the whole row)."""
+    """The response as it stands. Of ``job``'s context only the first message is read, when ``row`` says it
+    holds the instructions (``store.responses.get_response_state`` reads only that much)."""
     status = response_status(job, answer_finish_reason)
     ended = job.finished_at is not None and job.status in JobStatus.TERMINAL
     reason = _INCOMPLETE.get(answer_finish_reason or "") if status == "incomplete" else None

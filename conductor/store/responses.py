@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Any
+
+import sqlalchemy as sa
 from sqlmodel import Session, select
 
 from conductor.store.models import Job, OpenAIResponse
+
+JOB: sa.Table = Job.__table__  # type: ignore[attr-defined]
+RESPONSE: sa.Table = OpenAIResponse.__table__  # type: ignore[attr-defined]
+STATE_FIELDS = ("id", "status", "created_at", "finished_at", "answer", "error_type", "error_message",
+                "input_tokens", "output_tokens", "cost_usd", "calls", "meta")
+"""What a response object tells of its job (with the instructions): a poll reads these, not the job's task,
+context, pool snapshot or planner output, each of which can be long."""
 
 
 def insert_response(session: Session, *, response: OpenAIResponse) -> None:
@@ -13,10 +24,34 @@ def insert_response(session: Session, *, response: OpenAIResponse) -> None:
 
 
 def get_response(session: Session, *, job_id: str, tenant: str) -> tuple[Job, OpenAIResponse] | None:
-    """The tenant's job and its response row; None when either is missing (another tenant's job, or a job
-    made by ``POST /v1/jobs``, chat completions or a batch, is not a response)."""
+    """The tenant's job (the whole row) and its response row; None when either is missing (another
+    tenant's job, or a job made by ``POST /v1/jobs``, chat completions or a batch, is not a response)."""
     row = session.exec(
         select(Job, OpenAIResponse).join(OpenAIResponse, OpenAIResponse.job_id == Job.id)  # type: ignore[arg-type]
         .where(Job.id == job_id, Job.tenant == tenant)
     ).first()
     return None if row is None else (row[0], row[1])
+
+
+def get_response_state(session: Session, *, job_id: str, tenant: str) -> tuple[Job, OpenAIResponse] | None:
+    """As ``get_response``, reading only ``STATE_FIELDS`` of the job and, of its context, the first message
+    when it holds the instructions (as ``context``: a list of that one message). One statement; the job
+    is built with ``model_construct`` (for reading, never to be added to a session)."""
+    row = session.connection().execute(_state_stmt(), {"p_job_id": job_id, "p_tenant": tenant}).first()
+    if row is None:
+        return None
+    fields: dict[str, Any] = dict(zip(STATE_FIELDS, row[:len(STATE_FIELDS)], strict=True))
+    model, background, instructions, first = row[len(STATE_FIELDS):]
+    job = Job.model_construct(**fields, context=[first] if instructions and first is not None else None)
+    return job, OpenAIResponse(job_id=job.id, model=model, background=background, instructions=instructions)
+
+
+@cache
+def _state_stmt() -> sa.Select[Any]:
+    j, r = JOB.c, RESPONSE.c
+    columns = [j["metadata"] if name == "meta" else j[name] for name in STATE_FIELDS]
+    first = sa.case((r.instructions, j.context[0]), else_=sa.null())
+    return (sa.select(*columns, r.model, r.background, r.instructions, first)
+            .select_from(JOB.join(RESPONSE, r.job_id == j.id))
+            .where(j.id == sa.bindparam("p_job_id", type_=sa.String()),
+                   j.tenant == sa.bindparam("p_tenant", type_=sa.String())))

@@ -17,6 +17,7 @@ from conductor.store.db import session_scope
 from conductor.store.keys import revoke_key
 from tests.integration.conftest import new_key
 from tests.integration.harness import start_api, wait_terminal
+from tests.response_cases import check_the_lean_read_is_the_whole_rows
 
 ENDED = ("completed", "incomplete", "failed", "cancelled")
 
@@ -257,3 +258,7 @@ def test_a_revoked_key_ends_the_stream_naming_the_response(api: str, workers: An
     assert not any(e.type.startswith("response.output") for e in rest)
     with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {new_key(tenant)}"}, timeout=30) as other:
         assert wait_terminal(other, response_id)["status"] == "succeeded"
+
+
+def test_the_lean_state_read_is_the_whole_rows_on_postgres() -> None:
+    check_the_lean_read_is_the_whole_rows()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import openai.types.responses as sdk
@@ -17,6 +18,8 @@ from conductor.responses import input_items, response_job, response_object
 from conductor.service.routes.openai_responses import ResponseEvents
 from conductor.settings import Settings
 from conductor.store.models import Job, OpenAIResponse
+from tests.response_cases import check_the_lean_read_is_the_whole_rows
+from tests.sqlite_store import sqlite_store
 
 T0 = datetime(2026, 11, 25, 9, 0, tzinfo=UTC)
 T1 = datetime(2026, 11, 25, 9, 1, tzinfo=UTC)
@@ -154,3 +157,8 @@ def test_store_false_and_a_last_turn_not_the_users_are_refused_naming_the_field(
     with pytest.raises(ChatRequestError) as refused:
         response_job(last, Settings())
     assert refused.value.param == "input.1"  # its place in the input, the instructions not counted
+
+
+def test_the_lean_state_read_is_the_whole_rows_on_sqlite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with sqlite_store(tmp_path, monkeypatch):
+        check_the_lean_read_is_the_whole_rows()

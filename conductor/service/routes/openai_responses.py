@@ -44,7 +44,7 @@ from conductor.service.stream_polls import Pace, failure_reason, poll, release_s
 from conductor.settings import Settings
 from conductor.store.db import get_engine
 from conductor.store.models import Job, JobStatus, OpenAIResponse
-from conductor.store.responses import get_response, insert_response
+from conductor.store.responses import get_response, get_response_state, insert_response
 
 router = APIRouter(tags=["openai"])
 
@@ -163,7 +163,7 @@ def list_input_items(
     after: str | None = None,
 ) -> InputItemList:
     """The input's messages (not the instructions), newest first unless `order=asc`; `after` an item id."""
-    job, row = _found(response_id, tenant, settings)
+    job, row = _found(response_id, tenant, settings, whole=True)
     items = input_items(job, row)
     if order == "desc":
         items.reverse()
@@ -184,11 +184,14 @@ def _submit(body: ResponseCreateRequest, settings: Settings, tenant: str) -> str
     return submit_conversation(lambda: response_job(body, settings), body.model, settings, tenant, also=add_row)
 
 
-def _found(response_id: str, tenant: str, settings: Settings) -> tuple[Job, OpenAIResponse]:
+def _found(response_id: str, tenant: str, settings: Settings, *, whole: bool = False) -> tuple[Job, OpenAIResponse]:
+    """The response's job and row, or 404. Only what the response object tells is read
+    (``get_response_state``), unless ``whole`` (the input items need the task and the whole context)."""
     found = None
     if JOB_ID_RE.fullmatch(response_id):
+        read = get_response if whole else get_response_state
         with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
-            found = get_response(session, job_id=response_id, tenant=tenant)
+            found = read(session, job_id=response_id, tenant=tenant)
     if found is None:
         shown = response_id if JOB_ID_RE.fullmatch(response_id) else "(malformed id)"
         raise OpenAIError(404, f"no response {shown} for this API key (a job made by POST /v1/jobs, "
