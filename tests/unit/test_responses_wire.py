@@ -11,11 +11,12 @@ from typing import Any
 
 import openai.types.responses as sdk
 import pytest
+from openai import omit
 from pydantic import ValidationError
 
 from conductor.openai_wire import ResponseCreateRequest
 from conductor.responses import input_items, response_job, response_object
-from conductor.service.routes.openai_responses import ResponseEvents
+from conductor.service.routes.openai_responses import ResponseEvents, _progress
 from conductor.settings import Settings
 from conductor.store.models import Job, OpenAIResponse
 from tests.response_cases import check_the_lean_read_is_the_whole_rows
@@ -90,6 +91,27 @@ def test_the_answer_events_validate_against_the_sdks_event_models() -> None:
         assert kinds[name].model_validate(data).type == name
     assert sent[2][1]["delta"] == "42" and sent[-1][1]["response"]["output"][0]["content"][0]["text"] == "42"
     sdk.ResponseErrorEvent.model_validate(_sse(events.error("job_timeout", "still running"))[1])
+
+
+def test_a_job_ended_by_the_streams_first_read_still_streams_its_answer_once() -> None:
+    """The first events tell a response under way (no output, usage or error), whatever the job's state by
+    then: the SDK's own accumulator (``responses.stream()``) refuses an output item met twice."""
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+
+    job = _job("succeeded")
+    final = response_object(job, ROW, "stop")
+    events = ResponseEvents(job.id, "t", Settings(), None)
+    sent = [events.event("response.created", response=_progress(final, job)),
+            events.event("response.in_progress", response=_progress(final, job, {"index": 0, "status": "succeeded"})),
+            *events._answer(final)]
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for name, data in map(_sse, sent):
+        if name == "response.created":
+            assert data["response"]["output"] == [] and data["response"]["usage"] is None
+            assert data["response"]["status"] == "in_progress"
+        state.handle_event(construct_type(type_=sdk.ResponseStreamEvent, value=data))  # type: ignore[arg-type]
+    assert state._completed_response is not None and state._completed_response.output_text == "42"
 
 
 def _sse(event: str) -> tuple[str, dict[str, Any]]:

@@ -242,7 +242,7 @@ class ResponseEvents:
             base = await poll(lambda: _read(job_id, self.tenant, settings), job_id=job_id)
             job, steps = await poll(partial(read_progress, job_id, settings, self.key, key_due=pace.key_due()),
                                     job_id=job_id)
-            yield self.event("response.created", response=_dump(base))
+            yield self.event("response.created", response=_progress(base, job))
             while True:
                 changed = False
                 if job.status in (JobStatus.PLANNING, JobStatus.RUNNING) and seen.get("job") != job.status:
@@ -306,9 +306,14 @@ def _dump(response: ResponseObject) -> dict[str, Any]:
 
 
 def _progress(base: ResponseObject, job: Job, step: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The response as first read, its status and ``conductor`` field as the job now stands."""
-    shown = _dump(base)
-    shown["status"] = "queued" if job.status == JobStatus.QUEUED else "in_progress"
-    shown["conductor"] = {**shown["conductor"], "status": job.status, "step": step}
-    return shown
+    """The response as first read, still under way: ``queued`` or ``in_progress``, nothing of its end (no
+    output, usage or error: those come with the answer's events and the last one, even when the job had
+    ended by the first read, so that an accumulating client meets each output item once), its ``conductor``
+    field as the job now stands."""
+    ended: dict[str, Any] = {"output": [], "usage": None, "error": None, "incomplete_details": None,
+                             "completed_at": None}
+    status = "queued" if job.status == JobStatus.QUEUED else "in_progress"
+    conductor = {**base.conductor.model_dump(mode="json"), "status": job.status, "step": step,
+                 "cost_usd": None, "calls": None}
+    return {**_dump(base), **ended, "status": status, "conductor": conductor}
 
