@@ -106,6 +106,29 @@ def test_a_chat_stream_whose_slot_lapsed_ends_rather_than_go_over_the_limit(
     assert wait_terminal(http, job_id)["status"] == "succeeded"  # the job went on without its stream
 
 
+def test_a_response_stream_whose_slot_lapsed_ends_rather_than_go_over_the_limit(
+    http: TestClient, one_stream_each: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a chat stream's, in the Responses API's words: an ``error`` event with the next sequence number."""
+    monkeypatch.setattr(openai_chat, "HEARTBEAT_S", 0.0)  # the slot is refreshed at every event
+    tenant = "lapsed-response-stream"
+    key = new_key(tenant)
+    http.headers["Authorization"] = f"Bearer {key}"
+    stream = _sdk(http, key).responses.create(model="conductor/slow", input="z", stream=True)
+    job_id = stream.response.headers["conductor-job-id"]
+    events = iter(stream)
+    assert next(events).type == "response.created"
+    _lapse_and_give_away(tenant)
+    rest = list(events)
+    ended = rest[-1]
+    assert ended.type == "error" and ended.code == "rate_limit_exceeded", rest
+    assert "slot lapsed" in ended.message and job_id in ended.message
+    assert [e.sequence_number for e in rest] == list(range(1, len(rest) + 1))
+    assert not any(e.type.startswith("response.output") for e in rest)  # it ended before the job did
+    assert _open_slots(tenant) == [b"another-stream"]
+    assert wait_terminal(http, job_id)["status"] == "succeeded"
+
+
 def test_an_event_stream_whose_slot_lapsed_ends_rather_than_go_over_the_limit(
     http: TestClient, one_stream_each: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -266,7 +266,8 @@ async def held_stream(events: AsyncGenerator[str, None], job_id: str, tenant: st
     """The stream, holding its slot: refreshed while it runs, released when it ends or the client leaves.
     A slot that lapsed meanwhile and cannot be taken again (the tenant holds its limit of streams) ends
     the stream with a ``rate_limit_exceeded`` error, as a new stream would be refused: ``lapsed(message)``
-    renders its last events (by default a chat completion stream's error event and ``[DONE]``)."""
+    renders its last events (by default a chat completion stream's error event and ``[DONE]``), sent in
+    place of the item ``events`` had just yielded, which is dropped."""
     last_held = time.monotonic()
     try:
         async with aclosing(events):

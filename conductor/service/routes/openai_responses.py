@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from functools import partial
 from typing import Annotated, Any, Literal
 
@@ -220,16 +220,23 @@ class ResponseEvents:
     def __init__(self, job_id: str, tenant: str, settings: Settings, key: str | None):
         self.job_id, self.tenant, self.settings, self.key = job_id, tenant, settings, key
         self.sequence = 0
+        self.numbered_last = False
+        """Whether the last thing ``stream`` yielded was an event (it took a number), not a keep-alive."""
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence}
         self.sequence += 1
+        self.numbered_last = True
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
     def error(self, code: str, message: str) -> str:
         return self.event("error", code=code, message=message, param=None)
 
     def lapsed(self, message: str) -> list[str]:
+        """The stream's end when its slot lapsed: ``held_stream`` sends it in place of what ``stream`` had
+        just yielded, so an event dropped gives its number back (the numbers the client sees have no gap)."""
+        if self.numbered_last:
+            self.sequence -= 1
         return [self.error("rate_limit_exceeded", message)]
 
     async def stream(self) -> AsyncGenerator[str, None]:
@@ -261,6 +268,7 @@ class ResponseEvents:
                     last_sent = time.monotonic()
                 elif time.monotonic() - last_sent > HEARTBEAT_S:
                     last_sent = time.monotonic()
+                    self.numbered_last = False
                     yield ": keep-alive\n\n"
                 await asyncio.sleep(min(pace.after(changed), max(0.0, deadline - time.monotonic())))
                 job, steps = await poll(partial(read_progress, job_id, settings, self.key, key_due=pace.key_due()),
@@ -284,21 +292,20 @@ class ResponseEvents:
         else:
             yield self.event("response.failed", response=_dump(final))
 
-    def _answer(self, final: ResponseObject) -> list[str]:
+    def _answer(self, final: ResponseObject) -> Iterator[str]:
+        """The answer's events, each numbered as it is taken (``lapsed`` relies on it)."""
         item = final.output[0]
         text = item.content[0].text
         at = {"item_id": item.id, "output_index": 0, "content_index": 0}
         added = {**item.model_dump(mode="json"), "status": "in_progress", "content": []}
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        return [
-            self.event("response.output_item.added", output_index=0, item=added),
-            self.event("response.content_part.added", **at, part={**part, "text": ""}),
-            self.event("response.output_text.delta", **at, delta=text, logprobs=[]),
-            self.event("response.output_text.done", **at, text=text, logprobs=[]),
-            self.event("response.content_part.done", **at, part=part),
-            self.event("response.output_item.done", output_index=0, item=item.model_dump(mode="json")),
-            self.event(f"response.{final.status}", response=_dump(final)),
-        ]
+        yield self.event("response.output_item.added", output_index=0, item=added)
+        yield self.event("response.content_part.added", **at, part={**part, "text": ""})
+        yield self.event("response.output_text.delta", **at, delta=text, logprobs=[])
+        yield self.event("response.output_text.done", **at, text=text, logprobs=[])
+        yield self.event("response.content_part.done", **at, part=part)
+        yield self.event("response.output_item.done", output_index=0, item=item.model_dump(mode="json"))
+        yield self.event(f"response.{final.status}", response=_dump(final))
 
 
 def _dump(response: ResponseObject) -> dict[str, Any]:
