@@ -209,6 +209,25 @@ def test_a_chat_stream_whose_database_stays_away_ends_with_an_error_naming_its_j
     assert "OperationalError" in ended.value.message
 
 
+def test_a_response_stream_whose_database_stays_away_ends_with_an_error_event_naming_it(
+    on_scratch: TestClient, scratch_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a chat stream: ``job_wait_failed``, naming the response's job, as the Responses API's ``error``
+    event (the SDK yields it; the stream then ends)."""
+    monkeypatch.setattr(stream_polls, "DATABASE_PATIENCE_S", 1.0)
+    stream = _sdk(on_scratch, new_key("response-database-away")).responses.create(
+        model="conductor", input="What is 2+2?", stream=True)
+    job_id = stream.response.headers["conductor-job-id"]
+    events = iter(stream)
+    assert next(events).type == "response.created"
+    with database_away(scratch_database):
+        rest = list(events)
+    ended = rest[-1]
+    assert ended.type == "error" and ended.code == "job_wait_failed", rest
+    assert f"job {job_id} " in ended.message and "OperationalError" in ended.message
+    assert [e.sequence_number for e in rest] == list(range(1, len(rest) + 1))
+
+
 def test_an_event_stream_whose_database_stays_away_ends_with_an_error_event(
     on_scratch: TestClient, scratch_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
