@@ -209,8 +209,8 @@ def _read(response_id: str, tenant: str, settings: Settings) -> ResponseObject:
 class ResponseEvents:
     """One response's stream: the Responses API's events, each with its ``sequence_number``.
 
-    ``response.created``; ``response.in_progress`` once the job is planned or running, and again (with the
-    extension ``conductor.step``) at each step's status change; then the answer as ``output_item.added``,
+    ``response.created``; ``response.in_progress`` when the job moves to planning and to running, and (with
+    the extension ``conductor.step``) at each step's status change; then the answer as ``output_item.added``,
     ``content_part.added``, one ``output_text.delta``, ``output_text.done``, ``content_part.done``,
     ``output_item.done`` and ``response.completed`` (``response.incomplete`` when cut); a failed or
     cancelled job ends with ``response.failed`` (status ``failed`` or ``cancelled``). The wait bound, a
