@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -158,6 +159,32 @@ def test_a_failed_job_is_a_failed_response_with_its_error(failing_api: str, key:
     assert not any(e.type.startswith("response.output") for e in events)
     failed = events[-1].response  # type: ignore[union-attr]
     assert failed.status == "failed" and failed.error is not None and failed.error.type == job["error"]["type"]
+
+
+def test_an_answer_cut_at_its_token_limit_is_an_incomplete_response(proc_env: dict[str, str], key: str,
+                                                                    http: httpx.Client, workers: Any,
+                                                                    tmp_path: Path) -> None:
+    """An API whose one agent may write 4 tokens: the sim agent stops there, as a provider does, with
+    finish_reason ``length``; the response is ``incomplete`` (``max_output_tokens``), its answer as cut."""
+    pool = tmp_path / "short.yaml"
+    pool.write_text("planner: template:single\nfallback: template:single\nagents:\n"
+                    "  terse: {provider: sim, max_tokens: 4}\n")
+    proc, url = start_api({**proc_env, "CONDUCTOR_POOL_FILE": str(pool)})
+    try:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+            response = client.responses.create(model="conductor", input="Say hello at length. " * 5)
+            events = list(client.responses.create(model="conductor", input="Say hello at length. " * 5,
+                                                  stream=True))
+    finally:
+        proc.stop()
+    job = http.get(f"/v1/jobs/{response.id}").json()
+    assert job["status"] == "succeeded"
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens" and response.completed_at is None
+    assert response.output_text == job["answer"] != "" and response.output[0].status == "incomplete"
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == http.get(  # type: ignore[union-attr]
+        f"/v1/jobs/{events[0].response.id}").json()["answer"]  # type: ignore[union-attr]
 
 
 def test_cancel_ends_a_background_response(oai: openai.OpenAI, http: httpx.Client) -> None:
