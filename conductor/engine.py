@@ -68,8 +68,9 @@ class Dispatch:
 
     plan: list[str] = field(default_factory=list)
     background: set[str] = field(default_factory=set)
-    """Jobs of ``plan`` that are a batch's lines: their plans go at the broker's lowest priority, so that a
-    planner worker takes every live submission's plan waiting before them (``tasks.send.BATCH_PRIORITY``)."""
+    """Jobs that are batch work (a batch's lines and their child jobs): their messages here (plan, steps,
+    finalize) go at the broker's lowest priority, so that a worker takes every live job's message waiting
+    before them (``tasks.send.BATCH_PRIORITY``)."""
     steps: list[tuple[str, int]] = field(default_factory=list)
     finalize: list[str] = field(default_factory=list)
     agents: dict[tuple[str, int], str] = field(default_factory=dict)
@@ -184,9 +185,12 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         # A top-level job has no steps and no children before its plan: only a child's tree is counted,
         # under its root's row lock (a tree's step count is checked and grown one plan at a time).
         in_tree = 0
+        background = job.batch_id is not None
         if root_id is not None:
-            store.lock_job(s, job_id=root_id)
+            root = store.lock_job(s, job_id=root_id)
+            background = root is not None and root.background  # a line's tree is batch work
             in_tree = store.count_tree_steps(s, root_job_id=root_id)
+        quiet = {job_id} if background else set()
         if in_tree + len(wf.steps) > settings.max_tree_steps:
             over.append(f"this job tree already has {in_tree} steps; {len(wf.steps)} more would pass the limit "
                         f"of {settings.max_tree_steps} (CONDUCTOR_MAX_TREE_STEPS)")
@@ -199,19 +203,19 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         done = [row["index"] for row in rows if row["status"] == StepStatus.SUCCEEDED]
         if len(done) == len(rows):
             store.insert_steps(s, steps=rows)
-            return Dispatch(finalize=[job_id])
+            return Dispatch(finalize=[job_id], background=quiet)
         roots = ready_steps(wf.dependencies, done=done, started=done)
         now = utcnow()
         for i in roots:  # inserted queued: no second statement to mark them
             rows[i].update(status=StepStatus.QUEUED, queued_at=now)
         agents = {i: wf.steps[i].agent for i in roots}
-        take = taker[0]
+        take = None if background else taker[0]  # batch work goes through the broker, behind live work
         claims = _claim_roots(job, result, rows, roots, agents, take, now) if take else []
         ids = store.insert_steps(s, steps=rows, ids=bool(claims))
         taken = _opened_roots(s, job, claims, ids, agents, now)
         sent = [i for i in roots if i not in {t.index for t in taken}]
         return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agents[i] for i in sent},
-                        taken=taken[0] if taken else None, alongside=taken[1:])
+                        taken=taken[0] if taken else None, alongside=taken[1:], background=quiet)
 
     patience = _recording_patience(settings)
     try:
@@ -710,7 +714,7 @@ def _record_success(
                 ended.append(job_id)
                 parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
             return Dispatch(webhooks=_webhooks_owed(s, job_id, head) if ended else [])
-        return _dispatch_ready(s, job_id, steps, taker[0])
+        return _dispatch_ready(s, job_id, steps, taker[0], background=head.background)
 
     patience = _recording_patience(get_settings())
     try:
@@ -730,9 +734,16 @@ def _record_success(
     return outcome
 
 
-def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead], take: Taker | None = None) -> Dispatch:
+def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead], take: Taker | None = None, *,
+                    background: bool = False) -> Dispatch:
     """Marks the steps that became ready and names them (claiming one for ``take``). The caller's last
-    statement: unless a step is claimed, the transaction is committed with the marking."""
+    statement: unless a step is claimed, the transaction is committed with the marking.
+
+    ``background``: the job is batch work (``JobHead.background``). Its ready steps are all sent, at the batch
+    priority, and none is claimed for ``take``: a worker that continued a batch's chain (or started its
+    parallel steps beside it) would run batch work while live messages waited on the broker for its slot."""
+    if background:
+        take = None
     done = [st.index for st in steps if st.status == StepStatus.SUCCEEDED]
     started = [st.index for st in steps if st.status != StepStatus.PENDING]
     ready = ready_steps([st.access_list for st in steps], done=done, started=started)
@@ -745,7 +756,7 @@ def _dispatch_ready(s: Session, job_id: str, steps: list[store.StepHead], take: 
     claimed = {t.index for t in alongside} | ({taken.index} if taken is not None else set())
     sent = [i for i in won if i not in claimed]
     return Dispatch(steps=[(job_id, i) for i in sent], agents={(job_id, i): agent[i] for i in sent}, taken=taken,
-                    alongside=alongside)
+                    alongside=alongside, background={job_id} if background else set())
 
 
 def _takes(take: Taker, job_id: str, index: int, agent: str) -> bool:
@@ -839,7 +850,7 @@ def advance(job_id: str) -> Dispatch:
                 ended.append(job_id)
                 parent.extend([head.parent_job_id] if head.parent_job_id is not None else [])
             return Dispatch(webhooks=_webhooks_owed(s, job_id, head) if ended else [])
-        return _dispatch_ready(s, job_id, steps)
+        return _dispatch_ready(s, job_id, steps, background=head.background)
 
     outcome = transaction(decide)
     _carry_up(carry)

@@ -113,9 +113,10 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
         stuck = store.jobs_stuck_planning(s, older_than=now - timedelta(seconds=silent_s))
         for job_id in stuck:
             store.transition_job(s, job_id=job_id, from_=[JobStatus.PLANNING], to=JobStatus.QUEUED)
-        # a batch's lines are re-sent at the batch priority too: a line still waiting behind live plans
-        # after stale_s (any batch larger than the planners take in that time) would otherwise jump them
-        dispatch.background |= store.batch_lines(s, job_ids=[*never, *lost, *stuck])
+        # batch work (a batch's lines and their child jobs) is re-sent at the batch priority too, plans and
+        # steps: a message still waiting behind live ones after stale_s (any batch larger than the workers
+        # take in that time) would otherwise jump them
+        dispatch.background |= store.batch_work(s, job_ids=[*never, *lost, *stuck, *running])
     with session_scope() as s:
         open_steps = store.open_steps(s, job_ids=running)
     resend: list[tuple[str, int]] = []

@@ -1005,6 +1005,9 @@ class JobHead:
     has_webhook: bool = True
     """Whether the job has a webhook URL (set at creation, never changed): without one, its end owes no
     delivery and the outbox insert is skipped."""
+    background: bool = False
+    """Whether the job is batch work (``batch_work_of``, fixed at creation): the steps it makes ready are sent at
+    the batch priority, and never taken by the worker that recorded the outcome."""
 
 
 def lock_job(session: Session, *, job_id: str) -> JobHead | None:
@@ -1024,7 +1027,7 @@ def _lock_job_stmt() -> sa.Select[Any]:
     j = JOB
     return (sa.select(j.c.id, j.c.status, j.c.created_at, j.c.parent_job_id, j.c.parent_step_index,
                       j.c.planner_input_tokens, j.c.planner_output_tokens, j.c.planner_cost_usd, j.c.planner_calls,
-                      j.c.webhook_url.is_not(None).label("has_webhook"))
+                      j.c.webhook_url.is_not(None).label("has_webhook"), batch_work_of(j).label("background"))
             .where(j.c.id == sa.bindparam("p_job_id")).with_for_update(key_share=True))
 
 
@@ -1263,12 +1266,26 @@ def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 50
     return list(session.exec(stmt.order_by(col(Job.enqueued_at)).limit(limit)))
 
 
-def batch_lines(session: Session, *, job_ids: Sequence[str]) -> set[str]:
-    """Those of ``job_ids`` that are a batch's lines (``batch_id`` set): their plans go at the batch priority."""
+def batch_work(session: Session, *, job_ids: Sequence[str]) -> set[str]:
+    """Those of ``job_ids`` that are batch work (``batch_work_of``: a batch's line, or a child job in a line's
+    tree): their messages go at the batch priority."""
     if not job_ids:
         return set()
-    stmt = select(Job.id).where(col(Job.id).in_(list(job_ids)), col(Job.batch_id).is_not(None))
-    return set(session.exec(stmt))
+    stmt = sa.select(JOB.c.id).where(JOB.c.id.in_(list(job_ids)), batch_work_of(JOB))
+    return {row[0] for row in session.execute(stmt)}
+
+
+def batch_work_of(j: sa.Table | sa.Alias) -> sa.ColumnElement[bool]:
+    """Whether job ``j`` is batch work: a batch's line (``batch_id`` set), or a child job whose root is one (a
+    child's ``batch_id`` is never set: it is not a line of the batch, but its work is the line's). A live
+    top-level job is decided by its own columns; only a child job looks up its root's row (one primary-key
+    probe in the same statement): ``CASE`` tests them in order."""
+    root = JOB.alias("batch_root")
+    return sa.case(
+        (j.c.batch_id.is_not(None), sa.true()),
+        (j.c.root_job_id.is_(None), sa.false()),
+        else_=sa.exists().where(root.c.id == j.c.root_job_id, root.c.batch_id.is_not(None)),
+    )
 
 
 def jobs_stuck_planning(session: Session, *, older_than: datetime, limit: int = 100) -> list[str]:

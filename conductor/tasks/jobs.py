@@ -143,8 +143,11 @@ def _run_beside(slot: _Slot, step: Taken) -> None:
 
 def _step_to_continue(due: Dispatch, consumed: frozenset[str], settings: Settings) -> tuple[str, int] | None:
     """The first ready step whose queue this worker consumes: running it here is what a worker of that
-    queue would do after taking its message."""
+    queue would do after taking its message. Not a batch's step (``due.background``): it waits on the broker
+    behind live work, as sent."""
     for key in due.steps:
+        if key[0] in due.background:
+            continue
         agent = due.agents.get(key)
         if agent is None and settings.step_queues:
             continue  # its queue is unknown here: send it, and the sender looks it up

@@ -20,10 +20,13 @@ from conductor.tasks.app import DELIVER_WEBHOOK_TASK, FINALIZE_TASK, PLAN_TASK, 
 
 log = logging.getLogger(__name__)
 BATCH_PRIORITY = 9
-"""The plan message of a batch's line: the lowest of kombu's Redis priorities (0, 3, 6, 9; a worker's BRPOP
-asks for 0 first), so a planner worker takes every live submission's plan before a batch's, whatever the
-batch's size. Only the plan waits: once planned, a line's steps run as any job's. A line's plan the
-reconciler re-sends (a message lost, still waiting, or never sent) goes at this priority too."""
+"""The messages of batch work (a batch's lines and their child jobs: ``Dispatch.background``): the lowest of
+kombu's Redis priorities (0, 3, 6, 9; a worker's BRPOP asks for every queue's priority-0 list first), so a
+worker takes every live job's plan and step before a batch's, whatever the batch's size. The plan, each step
+(after the plan, after an outcome made it ready) and a finalize message go at it, and so do the reconciler's
+re-sends of them (a message lost, still waiting, or never sent). A batch's step is never continued in the
+slot of the worker that made it ready (``engine._dispatch_ready``): it goes back to the broker, behind live
+work."""
 COUNTDOWN_MAX_S = 300.0
 """Webhook retries due within this long wait in the broker as countdown messages. Later ones are sent by
 the reconciler when due: a Redis message held past its visibility timeout would be delivered twice, and
@@ -50,9 +53,11 @@ def send(dispatch: Dispatch) -> None:
             for job_id, index in dispatch.steps:
                 agent = agents.get((job_id, index))
                 app.send_task(RUN_STEP_TASK, (job_id, index), producer=producer,
-                              argsrepr=step_label(job_id, index, agent), queue=queues.get(agent or "", STEPS_QUEUE))
+                              argsrepr=step_label(job_id, index, agent), queue=queues.get(agent or "", STEPS_QUEUE),
+                              priority=BATCH_PRIORITY if job_id in dispatch.background else None)
     for job_id in dispatch.finalize:
-        app.send_task(FINALIZE_TASK, (job_id,), argsrepr=f"job={job_id}")
+        app.send_task(FINALIZE_TASK, (job_id,), argsrepr=f"job={job_id}",
+                      priority=BATCH_PRIORITY if job_id in dispatch.background else None)
     if dispatch.webhooks:
         for delivery_id in dispatch.webhooks:
             app.send_task(DELIVER_WEBHOOK_TASK, (delivery_id,), argsrepr=f"delivery={delivery_id}")

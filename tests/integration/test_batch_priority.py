@@ -1,6 +1,7 @@
-"""A batch's lines wait behind live submissions on the broker: their plan messages go at the lowest Redis
-priority, so a planner worker takes a live job submitted after a batch before the batch's lines. Runs its
-own API and worker on a broker database of its own (the shared workers would take the messages first)."""
+"""A batch's lines wait behind live submissions on the broker: their plan and step messages go at the lowest
+Redis priority, so a planner worker takes a live job submitted after a batch before the batch's lines, and a
+step worker a live job's steps before theirs. Runs its own API and workers on a broker database of its own
+(the shared workers would take the messages first)."""
 
 from __future__ import annotations
 
@@ -81,5 +82,69 @@ def test_a_live_job_submitted_after_a_batch_is_planned_before_the_batchs_lines(e
         assert started[live_id] < min(started[j] for j in line_jobs), started
     finally:
         if worker is not None:
+            worker.stop()
+        api.stop()
+
+
+CHAIN = {"model_ids": ["a", "a"], "subtasks": ["x", "y"], "access_lists": [[], [0]]}
+
+
+def _running(job_ids: list[str]) -> bool:
+    with session_scope() as s:
+        rows = s.execute(sa.text("SELECT count(*) FROM job WHERE id = ANY(:ids) AND status = 'running'"),
+                         {"ids": job_ids}).scalar_one()
+    return int(rows) == len(job_ids)
+
+
+def test_a_batchs_steps_wait_behind_a_live_jobs_steps(env: dict[str, str]) -> None:
+    """Once planned, a line's steps go at the batch priority too: a live job planned after a batch's lines has
+    its root step in the steps queue's priority-0 list and the lines' roots wait in its priority-9 list, so a
+    steps worker started then runs the live job first. A line's second step, made ready by its first's outcome,
+    is sent at that priority again rather than continued in the worker's slot: the lines' steps interleave
+    (each hop goes back behind the broker's other messages), where a continued chain ran each line to its end.
+    Orders come from the attempts' ids (one worker, one slot: they are inserted in the order steps start)."""
+    api, url = start_api(env)
+    workers: list[Proc] = []
+    key = new_key("tenant-priority-steps")
+    try:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client, \
+                httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+            lines = "".join(json.dumps({"custom_id": f"b{n}", "method": "POST", "url": "/v1/jobs",
+                                        "body": {"task": f"line {n}", "workflow": CHAIN}}) + "\n"
+                            for n in range(2))
+            uploaded = client.files.create(file=("s.jsonl", lines.encode()), purpose="batch")
+            batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+            with session_scope() as s:
+                line_jobs = [r[0] for r in s.execute(sa.text(
+                    "SELECT job_id FROM batch_request WHERE batch_id = :b ORDER BY line"), {"b": batch.id})]
+            workers.append(start_worker(env, "prio-planner", queues="planner", concurrency=1))
+            deadline = time.monotonic() + 60
+            while not _running(line_jobs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _running(line_jobs)
+            live = http.post("/v1/jobs", json={"task": "live", "workflow": CHAIN})
+            assert live.status_code == 202, live.text
+            live_id = live.json()["id"]
+            deadline = time.monotonic() + 60
+            while not _running([live_id]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _running([live_id])
+
+            queued = redis.Redis.from_url(BROKER)
+            assert queued.llen("steps") == 1  # the live job's root, at the default priority
+            assert queued.llen(f"steps\x06\x16{BATCH_PRIORITY}") == 2  # the lines' roots, polled last
+
+            workers.append(start_worker(env, "prio-steps", queues="steps", concurrency=1))
+            assert wait_terminal(http, live_id)["status"] == "succeeded"
+            for job_id in line_jobs:
+                assert wait_terminal(http, job_id)["status"] == "succeeded"
+        with session_scope() as s:
+            started = [(r[0], r[1]) for r in s.execute(sa.text(
+                "SELECT st.job_id, st.index FROM step_attempt a JOIN step st ON st.id = a.step_id "
+                "WHERE st.job_id = ANY(:ids) ORDER BY a.id"), {"ids": [*line_jobs, live_id]})]
+        first, second = line_jobs
+        assert started == [(live_id, 0), (live_id, 1), (first, 0), (second, 0), (first, 1), (second, 1)], started
+    finally:
+        for worker in workers:
             worker.stop()
         api.stop()

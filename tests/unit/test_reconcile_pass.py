@@ -18,7 +18,7 @@ from conductor.reconcile import reconcile_once
 from conductor.settings import Settings
 from conductor.store.db import session_scope
 from conductor.store.keys import create_key, create_session, delete_expired_sessions, tenant_for_session
-from conductor.store.models import Job, UiSession, utcnow
+from conductor.store.models import Job, Step, UiSession, utcnow
 from tests.sqlite_store import sqlite_store
 
 
@@ -218,3 +218,27 @@ def test_a_batchs_lines_are_re_sent_at_the_batch_priority(settings: Settings) ->
     _, dispatch = reconcile_once(settings)
     assert sorted(dispatch.plan) == sorted([waiting, never, live_waiting, live_never])
     assert dispatch.background == {waiting, never}
+
+
+def test_batch_work_s_lost_steps_are_re_sent_at_the_batch_priority(settings: Settings) -> None:
+    """A batch's step waits at the lowest priority behind every live step, so it is often still queued after
+    ``reconcile_stale_s``: its re-send must keep that priority, and so must a step of a line's child job (batch
+    work too, though only the line carries ``batch_id``); a live job's step is re-sent at the default one."""
+    now = utcnow()
+    long_ago = now - timedelta(seconds=600)
+    with session_scope() as s:
+        def running(batch_id: str | None = None, root: str | None = None) -> str:
+            job = Job(tenant="t", task="t", pool="default", planner="template", status="running", batch_id=batch_id,
+                      root_job_id=root, parent_job_id=root, parent_step_index=None if root is None else 0,
+                      depth=0 if root is None else 1, created_at=long_ago, updated_at=long_ago)
+            s.add(job)
+            s.flush()
+            s.add(Step(job_id=job.id, index=0, agent="a", instruction="x", access_list=[], status="queued",
+                       queued_at=long_ago))
+            return job.id
+
+        line, live = running("batch_1"), running()
+        child, live_child = running(root=line), running(root=live)
+    _, dispatch = reconcile_once(settings)
+    assert sorted(dispatch.steps) == sorted((j, 0) for j in (line, live, child, live_child))
+    assert dispatch.background == {line, child}
