@@ -562,7 +562,7 @@ def _claim(
         job = store.get_job(s, job_id=job_id)
         assert job is not None
         return _start_child(s, job, claim.step_id, index, row.instruction, visible=r.visible, inherited=r.inherited,
-                            messages=r.messages, limits=r.limits)
+                            messages=r.messages, limits=r.limits, background=row.background)
     assert r.config is not None and claim.attempt_id is not None  # opened with the claim: it runs, below the cap
     return _Claimed(claim.step_id, claim.attempt_id, claim.attempts + 1, row.agent, r.messages, r.config,
                     r.max_tokens, deadline_of(row.limits, row.created_at), owner, row.tenant)
@@ -594,9 +594,11 @@ def _start_child(
     inherited: list[Message],
     messages: list[Message],
     limits: dict[str, Any],
+    background: bool = False,
 ) -> Dispatch:
     """A recursive step: a child job plans and runs with this step's subtask and visible context, within
-    what is left of its parent's deadline and budgets."""
+    what is left of its parent's deadline and budgets. A child of batch work (``background``) is batch work:
+    its plan goes at the batch priority, as its steps will (its ``batch_id`` stays unset: it is not a line)."""
     child = Job(
         tenant=job.tenant,
         task=f"{job.task}\n\n---\nSubtask from the parent workflow (step {index}):\n{instruction}",
@@ -622,7 +624,7 @@ def _start_child(
         child_job_id=child.id,
         lease_expires_at=None,
     )
-    return Dispatch(plan=[child.id])
+    return Dispatch(plan=[child.id], background={child.id} if background else set())
 
 
 def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:

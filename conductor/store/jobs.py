@@ -748,6 +748,8 @@ class StepInput:
     """This job's steps not yet claimed (pending or queued), this one included while it is queued."""
     visible: list[tuple[str, str]]
     """(subtask, answer) of each step on the access list, in step order."""
+    background: bool = False
+    """The job is batch work (``batch_work_of``): a child job it starts is too."""
 
 
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
@@ -761,11 +763,11 @@ def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput |
         return None
     access_list = list(row[10] or [])
     if direct.postgres:
-        visible = [(subtask, answer or "") for subtask, answer in row[13] or []]
+        visible = [(subtask, answer or "") for subtask, answer in row[14] or []]
     else:
         visible = visible_outputs(session, job_id=job_id, indices=access_list)
     return StepInput(row[0], row[1], row[2], row[3] or {}, row[4] or {}, row[5], int(row[6]), float(row[7]),
-                     row[8], row[9], access_list, row[11], int(row[12]), visible)
+                     row[8], row[9], access_list, row[11], int(row[12]), visible, bool(row[13]))
 
 
 @cache
@@ -791,7 +793,7 @@ def _read_step_input_stmt(with_visible: bool) -> sa.Select[Any]:
         j.c.status, j.c.task, j.c.context, j.c.limits, j.c.pool_config, j.c.created_at,
         j.c.planner_input_tokens + j.c.planner_output_tokens + spent,
         j.c.planner_cost_usd + spent_usd,
-        st.c.agent, st.c.instruction, st.c.access_list, j.c.tenant, unstarted,
+        st.c.agent, st.c.instruction, st.c.access_list, j.c.tenant, unstarted, batch_work_of(j),
     ]
     if with_visible:  # Postgres: [[subtask, answer], …] of the steps on the access list, in step order
         seen = STEP.alias("seen")

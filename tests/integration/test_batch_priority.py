@@ -148,3 +148,66 @@ def test_a_batchs_steps_wait_behind_a_live_jobs_steps(env: dict[str, str]) -> No
         for worker in workers:
             worker.stop()
         api.stop()
+
+
+RECURSIVE = {"model_ids": ["conductor"], "subtasks": ["split it up"], "access_lists": [[]]}
+
+
+def _child_of(root_id: str) -> str | None:
+    """The line's child job once its plan was sent (``enqueued_at`` is written after the send)."""
+    with session_scope() as s:
+        row = s.execute(sa.text("SELECT id FROM job WHERE root_job_id = :r AND enqueued_at IS NOT NULL"),
+                        {"r": root_id}).first()
+    return None if row is None else str(row[0])
+
+
+def test_a_lines_child_job_is_batch_work_too(env: dict[str, str]) -> None:
+    """A line's recursive step starts a child job: only the line carries ``batch_id``, but the child's work is
+    the line's. Its plan message goes at the batch priority (the steps worker that started it sends it), and
+    so do its steps once planned. Each stage runs with one queue's worker only, so the messages stay in the
+    broker's lists to be counted."""
+    api, url = start_api(env)
+    worker: Proc | None = None
+    key = new_key("tenant-priority-child")
+    queued = redis.Redis.from_url(BROKER)
+    low = f"\x06\x16{BATCH_PRIORITY}"
+
+    def only(queues: str, until: Any) -> None:
+        nonlocal worker
+        worker = start_worker(env, f"prio-{queues}", queues=queues, concurrency=1)
+        deadline = time.monotonic() + 60
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert until(), worker.tail()
+        worker.stop()
+        worker = None
+
+    try:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client, \
+                httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+            line = json.dumps({"custom_id": "r", "method": "POST", "url": "/v1/jobs",
+                               "body": {"task": "recurse", "workflow": RECURSIVE}}) + "\n"
+            uploaded = client.files.create(file=("r.jsonl", line.encode()), purpose="batch")
+            batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+            with session_scope() as s:
+                (line_job,) = [r[0] for r in s.execute(sa.text(
+                    "SELECT job_id FROM batch_request WHERE batch_id = :b"), {"b": batch.id})]
+            only("planner", lambda: _running([line_job]))  # the line's plan: its recursive step is sent
+            assert (queued.llen("steps"), queued.llen(f"steps{low}")) == (0, 1)
+            only("steps", lambda: _child_of(line_job) is not None)  # the step starts the child, sends its plan
+            child = _child_of(line_job)
+            assert child is not None
+            assert (queued.llen("planner"), queued.llen(f"planner{low}")) == (0, 1)
+            only("planner", lambda: _running([child]))  # the child's plan: its root step is sent
+            assert (queued.llen("steps"), queued.llen(f"steps{low}")) == (0, 1)
+            worker = start_worker(env, "prio-all", queues="planner,steps", concurrency=1)
+            assert wait_terminal(http, line_job)["status"] == "succeeded"
+        with session_scope() as s:
+            line_batch, child_batch = s.execute(sa.text(
+                "SELECT (SELECT batch_id FROM job WHERE id = :l), (SELECT batch_id FROM job WHERE id = :c)"),
+                {"l": line_job, "c": child}).one()
+        assert (line_batch, child_batch) == (batch.id, None)  # the child is not a line of the batch
+    finally:
+        if worker is not None:
+            worker.stop()
+        api.stop()
