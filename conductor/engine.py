@@ -341,6 +341,8 @@ class _Claimed:
     deadline: datetime | None
     owner: str
     tenant: str
+    background: bool = False
+    """The job is batch work: its calls wait behind the tenant's live ones at the agent's rate limit."""
 
 
 @dataclass
@@ -433,7 +435,7 @@ def _call_and_record(job_id: str, index: int, claimed: _Claimed, settings: Setti
         try:
             provider = provider_for(claimed.agent, claimed.config)
             wait_for_rate_limit(claimed.config.bucket(claimed.agent), claimed.config.rpm, settings,
-                                tenant=claimed.tenant)
+                                tenant=claimed.tenant, background=claimed.background)
             completion = provider.complete(claimed.messages, options)
         except Exception as raised:
             exc: ProviderError | ConductorError = (
@@ -565,7 +567,7 @@ def _claim(
                             messages=r.messages, limits=r.limits, background=row.background)
     assert r.config is not None and claim.attempt_id is not None  # opened with the claim: it runs, below the cap
     return _Claimed(claim.step_id, claim.attempt_id, claim.attempts + 1, row.agent, r.messages, r.config,
-                    r.max_tokens, deadline_of(row.limits, row.created_at), owner, row.tenant)
+                    r.max_tokens, deadline_of(row.limits, row.created_at), owner, row.tenant, row.background)
 
 
 _POOLS: dict[str, PoolConfig] = {}

@@ -39,6 +39,17 @@ the time it was to ask again, then the next ask drops it; one cancelled (a geven
 Measured (``tests/integration/test_fair_ratelimit.py``, 600/min, a 30-slot queue): the newcomer's slot
 came 3rd, after the queued tenant's free one and its two reserved (before: behind all 31, past its wait,
 so refused).
+
+Batch work (a batch's lines and their child jobs) waits behind its own tenant's live work: a caller marked
+``background`` queues in its tenant's queue behind every live caller of that tenant, whenever each came
+(its place is its arrival plus ``BATCH_BEHIND_US``), so a tenant's live step arriving behind its thousand
+waiting batch steps takes the tenant's next place, after at most the slots the tenant already holds
+reserved. The tenant stays one party: it does not get a second share for its batch (a party of its own,
+``"{tenant}/batch"``, would have given a tenant with a batch and live work two turns to every other tenant's
+one). Between tenants nothing changes: another tenant's batch keeps its share against this tenant's live
+steps (a waiting caller holds a worker's slot and has a ``timeout_s``: batch work that always yielded to
+everyone's live work could wait out its attempts and fail). A batch caller's estimate counts the live
+callers queued when it asks; one arriving later pushes it back, and it learns so when it asks again.
 """
 
 from __future__ import annotations
@@ -101,11 +112,16 @@ it (at least 1): a tenant alone holds 2, each of several 1. Small, so a tenant a
 LEASE_GRACE_S = 2.0
 """A queued caller keeps its place this long past the time it was told to ask again; one that has not asked
 by then (its process died, it was cancelled) is dropped from the queue, and one late past it queues anew."""
+BATCH_BEHIND_US = 2**50
+"""What a batch caller's place in its tenant's queue adds to its arrival (microseconds on Redis's clock, about
+36 years): it sorts behind every live caller of the tenant, and batch callers keep their arrival order among
+themselves. The sum stays below 2**53, exact in Redis's double scores."""
 
 # KEYS[1] bucket; KEYS[2] the agent's backlogged tenants (zset: until when their reservations or queued
 # callers last); KEYS[3] this tenant's reserved slots (zset: due time); KEYS[4] this tenant's queued
-# callers (zset: arrival); KEYS[5] their leases (zset: lease end). ARGV: capacity, refill per second,
-# max wait (s), tenant, caller id, QUEUE_SLOTS, LEASE_GRACE_S. Times are integer microseconds on Redis's
+# callers (zset: arrival, plus BATCH_BEHIND_US for batch work); KEYS[5] their leases (zset: lease end). ARGV:
+# capacity, refill per second, max wait (s), tenant, caller id, QUEUE_SLOTS, LEASE_GRACE_S, the offset of
+# this caller's place (0 live, BATCH_BEHIND_US batch work). Times are integer microseconds on Redis's
 # clock. Returns {granted (0/1), wait in microseconds, queued (0/1)}: granted, sleep the wait and call;
 # queued, sleep the wait and ask again with the same caller id; neither, refused (the wait is past the max).
 FAIR_TOKEN_BUCKET_LUA = """
@@ -116,6 +132,7 @@ local tenant = ARGV[4]
 local id = ARGV[5]
 local queue_slots = tonumber(ARGV[6])
 local grace = tonumber(ARGV[7]) * 1000000
+local behind = tonumber(ARGV[8])
 local per_slot = 1000000 / rate
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
@@ -177,7 +194,7 @@ if not pos then
   if room > 0 and redis.call('ZCARD', KEYS[4]) == 0 then
     pos = -1
   else
-    redis.call('ZADD', KEYS[4], now, id)
+    redis.call('ZADD', KEYS[4], now + behind, id)
     pos = redis.call('ZRANK', KEYS[4], id)
   end
 end
@@ -279,12 +296,14 @@ class RateLimiter:
         return f"{self.prefix}{agent}"
 
     def acquire(
-        self, agent: str, rpm: int, *, timeout_s: float, burst: int | None = None, tenant: str | None = None
+        self, agent: str, rpm: int, *, timeout_s: float, burst: int | None = None, tenant: str | None = None,
+        background: bool = False,
     ) -> float:
         """Takes one request slot for ``agent``, sleeping until it is due. Returns the seconds waited
         (0.0 when a token was free). Raises :class:`RateLimitTimeout` when the slot is more than
         ``timeout_s`` away and :class:`RateLimiterUnavailable` when Redis cannot be reached. With
-        ``tenant``, the slot counts against that tenant's fair share of the agent (module docstring)."""
+        ``tenant``, the slot counts against that tenant's fair share of the agent (module docstring);
+        ``background`` (batch work) queues behind the tenant's live callers."""
         if rpm < 1:
             raise ValueError(f"rpm must be at least 1, got {rpm}")
         capacity = rpm if burst is None else burst
@@ -303,7 +322,7 @@ class RateLimiter:
         while True:
             left = max(0.0, timeout_s - waited)
             granted, wait, queued = self._take_fair(
-                agent, tenant, caller, capacity=capacity, per_second=per_second, max_wait=left
+                agent, tenant, caller, capacity=capacity, per_second=per_second, max_wait=left, background=background
             )
             if granted:
                 if wait > 0:
@@ -338,9 +357,11 @@ class RateLimiter:
         return [bucket, f"{bucket}:backlog", f"{bucket}:t:{tenant}", f"{bucket}:q:{tenant}", f"{bucket}:l:{tenant}"]
 
     def _take_fair(
-        self, agent: str, tenant: str, caller: str, *, capacity: int, per_second: float, max_wait: float
+        self, agent: str, tenant: str, caller: str, *, capacity: int, per_second: float, max_wait: float,
+        background: bool = False,
     ) -> tuple[bool, float, bool]:
-        args = [capacity, repr(per_second), repr(max_wait), tenant, caller, QUEUE_SLOTS, repr(LEASE_GRACE_S)]
+        args = [capacity, repr(per_second), repr(max_wait), tenant, caller, QUEUE_SLOTS, repr(LEASE_GRACE_S),
+                BATCH_BEHIND_US if background else 0]
         try:
             reply: Any = self._fair(keys=self._fair_keys(agent, tenant), args=args)
         except redis.RedisError as exc:
@@ -373,10 +394,13 @@ def _limiter_for(url: str) -> RateLimiter:
     return RateLimiter(url=url)
 
 
-def wait_for_rate_limit(agent: str, rpm: int | None, settings: Settings, *, tenant: str) -> None:
+def wait_for_rate_limit(agent: str, rpm: int | None, settings: Settings, *, tenant: str,
+                        background: bool = False) -> None:
     """Takes a token from the agent's bucket shared by every worker (Redis), within the tenant's fair
-    share of it: before every provider call, a step's or a planner's. Embedded mode (one process,
-    in-memory broker) has no Redis and runs unlimited."""
+    share of it: before every provider call, a step's or a planner's; ``background`` (batch work) behind
+    the tenant's live callers. Embedded mode (one process, in-memory broker) has no Redis and runs
+    unlimited."""
     if rpm is None or not settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
         return
-    get_limiter(settings.broker_url).acquire(agent, rpm, timeout_s=settings.rate_limit_wait_s, tenant=tenant)
+    get_limiter(settings.broker_url).acquire(agent, rpm, timeout_s=settings.rate_limit_wait_s, tenant=tenant,
+                                             background=background)

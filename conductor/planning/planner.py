@@ -94,7 +94,10 @@ def _plan_with_agent(
     def before_call(messages: list[Message], _: PlannerUsage) -> int:
         """Each planner call waits for the agent's rate limit, as a step does, and writes at most what the
         job's budget has room for (earlier claims' planner spend and this planning's so far count)."""
-        wait_for_rate_limit(config.bucket(agent), config.rpm, settings, tenant=job.tenant)
+        # a batch's line waits behind its tenant's live plannings (a line's child job is not told apart here:
+        # only the line carries batch_id, and its planning reads no more than the job's row)
+        wait_for_rate_limit(config.bucket(agent), config.rpm, settings, tenant=job.tenant,
+                            background=job.batch_id is not None)
         before = Spent(tokens=(job.planner_input_tokens or 0) + (job.planner_output_tokens or 0)
                        + spent.input_tokens + spent.output_tokens,
                        cost_usd=(job.planner_cost_usd or 0.0) + spent.cost_usd)

@@ -211,3 +211,32 @@ def test_a_lines_child_job_is_batch_work_too(env: dict[str, str]) -> None:
         if worker is not None:
             worker.stop()
         api.stop()
+
+
+def test_a_lines_planner_calls_wait_as_batch_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line planned by a model (here a sim agent, whose answer is no workflow: one re-ask, then the template)
+    asks the rate limiter as batch work at every planner call, a live job as live work: the line's
+    ``batch_id`` is on the row the planning claimed, so nothing more is read."""
+    from conductor.engine import plan_job
+    from conductor.planning import planner
+    from conductor.settings import get_settings
+    from conductor.submission import JobCreate, create_job
+
+    asked: list[tuple[str, bool]] = []
+    real = planner.wait_for_rate_limit
+
+    def spy(agent: str, rpm: int | None, settings: Any, *, tenant: str, **kwargs: Any) -> None:
+        asked.append((tenant, bool(kwargs.get("background"))))
+        real(agent, rpm, settings, tenant=tenant, **kwargs)
+
+    monkeypatch.setattr(planner, "wait_for_rate_limit", spy)
+    planned: dict[str, list[tuple[str, bool]]] = {}
+    for batch_id in ("batch_planner_calls", None):
+        with session_scope() as s:
+            job, _ = create_job(s, JobCreate.model_validate({"task": "plan me", "planner": "a"}), tenant="planning",
+                                settings=get_settings(), batch_id=batch_id)
+        asked.clear()
+        plan_job(job.id, settings=get_settings())
+        planned[str(batch_id)] = list(asked)
+    assert planned["batch_planner_calls"] and all(bg for _, bg in planned["batch_planner_calls"]), planned
+    assert planned["None"] and not any(bg for _, bg in planned["None"]), planned

@@ -128,13 +128,14 @@ def recorded(limiter: RateLimiter) -> Ledger:
     return ledger
 
 
-def callers(limiter: RateLimiter, agent: str, tenant: str, n: int, *, rpm: int, burst: int, timeout_s: float
-            ) -> list[threading.Thread]:
-    """``n`` threads of ``tenant``, each taking one slot (a step's call); a refusal ends its thread."""
+def callers(limiter: RateLimiter, agent: str, tenant: str, n: int, *, rpm: int, burst: int, timeout_s: float,
+            background: bool = False) -> list[threading.Thread]:
+    """``n`` threads of ``tenant``, each taking one slot (a step's call; ``background``: batch work); a refusal
+    ends its thread."""
 
     def one() -> None:
         with contextlib.suppress(RateLimitTimeout):
-            limiter.acquire(agent, rpm, timeout_s=timeout_s, burst=burst, tenant=tenant)
+            limiter.acquire(agent, rpm, timeout_s=timeout_s, burst=burst, tenant=tenant, background=background)
 
     threads = [threading.Thread(target=one) for _ in range(n)]
     for t in threads:
@@ -224,3 +225,78 @@ def test_a_queued_caller_that_never_asks_again_loses_its_place(agent: str, monke
         time.sleep(0.05)
     limiter.acquire(agent, 600, timeout_s=30.0, burst=1, tenant="t")  # the next ask: it drops the ghost
     assert limiter.client.zrank(queue, "ghost") is None
+
+
+
+def labelled(limiter: RateLimiter, label: Any) -> Ledger:
+    """``recorded``, each ask entered under ``label(tenant, background)`` instead of its tenant (the limiter
+    itself still gets the tenant)."""
+    ledger = Ledger()
+    take = limiter._take_fair
+
+    def spy(agent: str, tenant: str, *args: Any, **kwargs: Any) -> Any:
+        asked = redis_now_us(limiter) / 1e6
+        reply = take(agent, tenant, *args, **kwargs)
+        who = label(tenant, bool(kwargs.get("background")))
+        with ledger.asked:
+            ledger.asks[who] += 1
+            if reply[0]:
+                ledger.dues.append((asked + reply[1], who))
+            ledger.asked.notify_all()
+        return reply
+
+    limiter._take_fair = spy  # type: ignore[method-assign]
+    return ledger
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["batch", "unmarked"])
+def test_a_tenants_live_step_does_not_queue_behind_its_own_batch(agent: str, background: bool) -> None:
+    """A tenant's batch queues 30 steps deep at an agent; then the same tenant's live step arrives. Marked as
+    batch work (``background``), the batch waits behind it: after it arrived, only the slots the batch already
+    held reserved (QUEUE_SLOTS) come before its own. Unmarked -- one FIFO per tenant, as before batch steps
+    were told apart -- it waits behind the whole batch (this case pins that the order is the marking's doing,
+    and that the test can fail)."""
+    rpm, burst, wait_s, steps = 600, 1, 10.0, 30  # a slot every 0.1 s
+    limiter = RateLimiter(url=get_settings().broker_url)
+    main = threading.current_thread()
+    ledger = labelled(limiter, lambda _tenant, _bg: "live" if threading.current_thread() is main else "batch")
+    batch = callers(limiter, agent, "t", steps, rpm=rpm, burst=burst, timeout_s=wait_s, background=background)
+    ledger.wait_for_asks("batch", steps)  # every batch step has asked (granted, reserved or queued)
+    arrived = redis_now_us(limiter) / 1e6
+    limiter.acquire(agent, rpm, timeout_s=wait_s, burst=burst, tenant="t")
+    for t in batch:
+        t.join(30)
+    (live,) = ledger.tenant_dues("live")
+    batch_dues = ledger.tenant_dues("batch")
+    assert len(batch_dues) == steps
+    overtook = [due for due in batch_dues if arrived <= due < live]
+    if background:
+        assert len(overtook) <= ratelimit.QUEUE_SLOTS, f"{len(overtook)} batch slots came after the live step asked"
+    else:
+        assert len(overtook) >= steps - 5, f"only {len(overtook)} batch slots came before the live step's"
+
+
+def test_a_tenants_batch_does_not_double_its_share(agent: str) -> None:
+    """Tenant A's batch queued first, then A's live steps, then tenant B's. A's batch is not a party of its own:
+    while B has steps waiting, A and B take turns slot by slot (B about half the slots, where a party for the
+    batch would leave it a third), and A's turns go to its live steps before its batch's."""
+    rpm, burst = 600, 1
+    limiter = RateLimiter(url=get_settings().broker_url)
+    ledger = labelled(limiter, lambda tenant, background: f"{tenant}/batch" if background else tenant)
+    threads = callers(limiter, agent, "A", 20, rpm=rpm, burst=burst, timeout_s=30.0, background=True)
+    ledger.wait_for_asks("A/batch", 20)
+    threads += callers(limiter, agent, "A", 8, rpm=rpm, burst=burst, timeout_s=30.0)
+    ledger.wait_for_asks("A", 8)  # every live step of A is queued (or granted) before B comes
+    threads += callers(limiter, agent, "B", 16, rpm=rpm, burst=burst, timeout_s=30.0)
+    for t in threads:
+        t.join(60)
+    order = [who for _, who in sorted(ledger.dues)]
+    assert len(order) == 44, order
+    first_b, last_b = order.index("B"), len(order) - 1 - order[::-1].index("B")
+    shared = order[first_b:last_b + 1]  # while B had steps waiting
+    assert abs((len(shared) - shared.count("B")) - shared.count("B")) <= 3, order
+    # A's live steps start before half its batch did (one FIFO per tenant: after all 20), and from the first
+    # one's grant on, A's turns go to its live steps, all 8 of them, and only then to its batch
+    assert order[:order.index("A")].count("A/batch") < 10, order
+    a_turns = [who for who in order[order.index("A"):] if who != "B"]
+    assert a_turns[:8] == ["A"] * 8 and "A" not in a_turns[8:], order

@@ -43,6 +43,34 @@ def statements() -> Iterator[list[str]]:
     sa.event.remove(engine, "before_cursor_execute", capture)
 
 
+def test_a_batch_lines_middle_step_is_five_statements_too_and_its_limiter_call_knows(
+        statements: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's line is told apart on the hot path without a statement more: the claim's read and the
+    outcome's job-row lock carry it. Its ready step is sent at the batch priority (not claimed for the
+    worker, though a taker is given), and its call waits at the rate limit as batch work."""
+    settings = get_settings()
+    job_id = new_chain(3)
+    with session_scope() as s:
+        s.execute(sa.update(store.JOB).where(store.JOB.c.id == job_id).values(batch_id="batch_round_trips"))
+    asked: list[tuple[str, bool]] = []
+    real = engine.wait_for_rate_limit
+
+    def spy(agent: str, rpm: int | None, settings: Any, *, tenant: str, **kwargs: Any) -> None:
+        asked.append((tenant, bool(kwargs.get("background"))))
+        real(agent, rpm, settings, tenant=tenant, **kwargs)
+
+    monkeypatch.setattr(engine, "wait_for_rate_limit", spy)
+    plan_job(job_id, settings=settings)
+    run_step(job_id, 0, worker="trips", task_id=None, settings=settings)
+    statements.clear()
+
+    ready = run_step(job_id, 1, worker="trips", task_id=None, settings=settings, take=taker())
+
+    assert ready.steps == [(job_id, 2)] and ready.taken is None and ready.background == {job_id}
+    assert [s.split(" ")[0] for s in statements] == ["SELECT", "WITH", "|SELECT", "|WITH", "|UPDATE"], statements
+    assert asked == [("trips", True), ("trips", True)]
+
+
 def test_a_middle_step_is_five_statements_in_two_transactions(statements: list[str]) -> None:
     settings = get_settings()
     job_id = new_chain(3)
