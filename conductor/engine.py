@@ -145,10 +145,10 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
     Each planning run holds a claim number; if the reconciler re-drove this job meanwhile (this worker
     looked dead), the newer claim wins and this one records nothing.
     """
-    claimed = transaction(lambda s: store.claim_planning_job(s, job_id=job_id))
+    claimed = transaction(lambda s: _claim_planning(s, job_id))
     if claimed is None:
         return Dispatch()  # already planned, planning elsewhere, or cancelled
-    claim, job = claimed
+    claim, job, background = claimed
     if claim > settings.step_max_attempts:
         return fail_job(job_id, error_type=WORKER_LOST, plan_claim=claim,
                         message=f"planning was started {claim - 1} times and its worker never finished it")
@@ -157,7 +157,7 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         check_deadline(job.limits, job.created_at, utcnow())
         # A slow planner is alive, not lost -- up to its longest possible run; past that it is stuck.
         with heartbeat(settings.step_lease_s).planning(job_id, claim, for_s=longest_planning_s(job, settings)):
-            planned.append(make_plan(job, settings=settings))
+            planned.append(make_plan(job, settings=settings, background=background))
             result = replay_plan(planned[0], job)
     except DeadlineExceeded as exc:
         return fail_job(job_id, error_type=ErrorType.DEADLINE_EXCEEDED, message=str(exc), plan_claim=claim)
@@ -185,12 +185,10 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         # A top-level job has no steps and no children before its plan: only a child's tree is counted,
         # under its root's row lock (a tree's step count is checked and grown one plan at a time).
         in_tree = 0
-        background = job.batch_id is not None
         if root_id is not None:
-            root = store.lock_job(s, job_id=root_id)
-            background = root is not None and root.background  # a line's tree is batch work
+            store.lock_job(s, job_id=root_id)
             in_tree = store.count_tree_steps(s, root_job_id=root_id)
-        quiet = {job_id} if background else set()
+        quiet = {job_id} if background else set()  # batch work: its messages go at the batch priority
         if in_tree + len(wf.steps) > settings.max_tree_steps:
             over.append(f"this job tree already has {in_tree} steps; {len(wf.steps)} more would pass the limit "
                         f"of {settings.max_tree_steps} (CONDUCTOR_MAX_TREE_STEPS)")
@@ -237,6 +235,19 @@ def plan_job(job_id: str, *, settings: Settings, take: Taker | None = None) -> D
         return fail_job(job_id, error_type=ErrorType.QUOTA_EXCEEDED, message=over[0], plan_claim=claim,
                         planner_usage=usage)
     return dispatch
+
+
+def _claim_planning(s: Session, job_id: str) -> tuple[int, Job, bool] | None:
+    """The planning's claim (``store.claim_planning_job``) and whether the job is batch work: a top-level job
+    by its own ``batch_id``; a child job by its root's (``store.batch_work``), one statement more in the claim's
+    transaction, for child jobs only."""
+    claimed = store.claim_planning_job(s, job_id=job_id)
+    if claimed is None:
+        return None
+    claim, job = claimed
+    background = job.batch_id is not None or (
+        job.root_job_id is not None and bool(store.batch_work(s, job_ids=[job_id])))
+    return claim, job, background
 
 
 @dataclass

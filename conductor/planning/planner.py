@@ -43,7 +43,10 @@ def longest_planning_s(job: Job, settings: Settings) -> float:
     return MAX_PLANNER_ATTEMPTS * settings.step_max_duration_s(timeout if isinstance(timeout, int | float) else None)
 
 
-def make_plan(job: Job, *, settings: Settings) -> PlanResult:
+def make_plan(job: Job, *, settings: Settings, background: bool = False) -> PlanResult:
+    """The job's workflow: the request's, a template's, or its planner model's. ``background``: the job is
+    batch work (a batch's line or a child job in a line's tree): its planner calls wait behind its tenant's
+    live ones at the agent's rate limit."""
     pool = PoolConfig.model_validate(job.pool_config)
     max_steps, max_depth = job_limits(job, settings)
     allow_conductor = job.depth < max_depth
@@ -70,11 +73,13 @@ def make_plan(job: Job, *, settings: Settings) -> PlanResult:
     if planner.startswith("template:"):
         wf = template_workflow(planner, pool.worker_names, max_steps)
         return PlanResult(workflow=wf, source="planner", format_valid=True, planner=planner)
-    return _plan_with_agent(job, pool, planner, settings, max_steps=max_steps, allow_conductor=allow_conductor)
+    return _plan_with_agent(job, pool, planner, settings, max_steps=max_steps, allow_conductor=allow_conductor,
+                            background=background)
 
 
 def _plan_with_agent(
-    job: Job, pool: PoolConfig, agent: str, settings: Settings, *, max_steps: int, allow_conductor: bool
+    job: Job, pool: PoolConfig, agent: str, settings: Settings, *, max_steps: int, allow_conductor: bool,
+    background: bool = False,
 ) -> PlanResult:
     """The planner model's workflow. If the planner cannot be reached (after the retry policy) the job
     still runs, on the pool's fallback template, and the job records why (``source: fallback``)."""
@@ -94,10 +99,7 @@ def _plan_with_agent(
     def before_call(messages: list[Message], _: PlannerUsage) -> int:
         """Each planner call waits for the agent's rate limit, as a step does, and writes at most what the
         job's budget has room for (earlier claims' planner spend and this planning's so far count)."""
-        # a batch's line waits behind its tenant's live plannings (a line's child job is not told apart here:
-        # only the line carries batch_id, and its planning reads no more than the job's row)
-        wait_for_rate_limit(config.bucket(agent), config.rpm, settings, tenant=job.tenant,
-                            background=job.batch_id is not None)
+        wait_for_rate_limit(config.bucket(agent), config.rpm, settings, tenant=job.tenant, background=background)
         before = Spent(tokens=(job.planner_input_tokens or 0) + (job.planner_output_tokens or 0)
                        + spent.input_tokens + spent.output_tokens,
                        cost_usd=(job.planner_cost_usd or 0.0) + spent.cost_usd)

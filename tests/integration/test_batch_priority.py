@@ -215,11 +215,13 @@ def test_a_lines_child_job_is_batch_work_too(env: dict[str, str]) -> None:
 
 def test_a_lines_planner_calls_wait_as_batch_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """A line planned by a model (here a sim agent, whose answer is no workflow: one re-ask, then the template)
-    asks the rate limiter as batch work at every planner call, a live job as live work: the line's
-    ``batch_id`` is on the row the planning claimed, so nothing more is read."""
+    asks the rate limiter as batch work at every planner call, and so does a child job in the line's tree
+    (which carries no ``batch_id``: the planning's claim reads its root's in the same statement); a live job
+    asks as live work."""
     from conductor.engine import plan_job
     from conductor.planning import planner
     from conductor.settings import get_settings
+    from conductor.store.models import Job
     from conductor.submission import JobCreate, create_job
 
     asked: list[tuple[str, bool]] = []
@@ -229,14 +231,30 @@ def test_a_lines_planner_calls_wait_as_batch_work(monkeypatch: pytest.MonkeyPatc
         asked.append((tenant, bool(kwargs.get("background"))))
         real(agent, rpm, settings, tenant=tenant, **kwargs)
 
+    def planned(job_id: str) -> list[tuple[str, bool]]:
+        asked.clear()
+        plan_job(job_id, settings=get_settings())
+        return list(asked)
+
     monkeypatch.setattr(planner, "wait_for_rate_limit", spy)
-    planned: dict[str, list[tuple[str, bool]]] = {}
-    for batch_id in ("batch_planner_calls", None):
+    jobs: dict[str, str] = {}
+    for name, batch_id in (("line", "batch_planner_calls"), ("live", None)):
         with session_scope() as s:
             job, _ = create_job(s, JobCreate.model_validate({"task": "plan me", "planner": "a"}), tenant="planning",
                                 settings=get_settings(), batch_id=batch_id)
-        asked.clear()
-        plan_job(job.id, settings=get_settings())
-        planned[str(batch_id)] = list(asked)
-    assert planned["batch_planner_calls"] and all(bg for _, bg in planned["batch_planner_calls"]), planned
-    assert planned["None"] and not any(bg for _, bg in planned["None"]), planned
+            jobs[name] = job.id
+    calls = {name: planned(job_id) for name, job_id in jobs.items()}
+    for name in ("line", "live"):  # a child job, as a recursive step of the line (or the live job) starts it
+        with session_scope() as s:
+            parent = s.get(Job, jobs[name])
+            assert parent is not None
+            child = Job(tenant=parent.tenant, task="sub", pool=parent.pool, pool_config=parent.pool_config,
+                        planner="a", depth=1, parent_job_id=parent.id, parent_step_index=0, root_job_id=parent.id,
+                        context=[], limits={}, meta={})
+            s.add(child)
+            s.flush()
+            child_id = child.id
+        calls[f"{name}'s child"] = planned(child_id)
+    assert all(calls.values()), calls
+    assert {name: {bg for _, bg in asks} for name, asks in calls.items()} == {
+        "line": {True}, "line's child": {True}, "live": {False}, "live's child": {False}}, calls

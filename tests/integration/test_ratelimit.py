@@ -179,7 +179,7 @@ def _plan_with_the_bucket_spent(bucket: str, planner: str, agents: Callable[[dic
     for _ in range(SLOW_RPM):
         limiter.acquire(bucket, SLOW_RPM, timeout_s=0, tenant="t")
     job: Any = SimpleNamespace(task="t", context=None, depth=0, tenant="t", limits={}, planner_input_tokens=0,
-                               planner_output_tokens=0, planner_cost_usd=0.0, batch_id=None)
+                               planner_output_tokens=0, planner_cost_usd=0.0)
     with FakeOpenAIServer(reply=lambda _body: WORKFLOW) as server:
         model = {"provider": "openai_compatible", "model": "m", "base_url": server.base_url, "rpm": SLOW_RPM}
         pool = PoolConfig.model_validate({"planner": planner, "agents": agents(model)})

@@ -341,7 +341,7 @@ def test_a_call_that_answered_before_a_retried_error_is_still_counted(monkeypatc
     monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_BASE_S", "0")
     monkeypatch.setenv("CONDUCTOR_RETRY_BACKOFF_MAX_S", "0")
     job: Any = SimpleNamespace(task="write a haiku", context=None, depth=0, tenant="t", limits={},
-                               planner_input_tokens=0, planner_output_tokens=0, planner_cost_usd=0.0, batch_id=None)
+                               planner_input_tokens=0, planner_output_tokens=0, planner_cost_usd=0.0)
     result = planner_module._plan_with_agent(job, make_pool(), "planner-llm", Settings(), max_steps=5,
                                              allow_conductor=True)
     assert result.source == "planner" and len(provider.calls) == 3
@@ -353,8 +353,7 @@ def planning_job(**fields: Any) -> Any:
     from types import SimpleNamespace
 
     defaults: dict[str, Any] = {"task": "write a haiku", "context": None, "depth": 0, "tenant": "t", "limits": {},
-                                "planner_input_tokens": 0, "planner_output_tokens": 0, "planner_cost_usd": 0.0,
-                                "batch_id": None}
+                                "planner_input_tokens": 0, "planner_output_tokens": 0, "planner_cost_usd": 0.0}
     return SimpleNamespace(**{**defaults, **fields})
 
 
