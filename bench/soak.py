@@ -27,7 +27,12 @@ SIGKILLed and started again. Then submitting stops, everything drains (bounded),
 - no worker, API or beat log holds a traceback.
 
 It TRUNCATES the database's tables and flushes both Redis dbs: give it a database and Redis dbs of its
-own, never a shared one. Postgres and Redis themselves are never touched. Logs, the pool file and the
+own, never a shared one. Postgres and Redis themselves are never touched, unless ``--service-chaos``:
+then the soak runs a Postgres cluster and a Redis server of its own (``bench/services.py``, on
+``--pg-port`` and ``--redis-port``, in ``--workdir``) and restarts them under the load (Postgres fast or
+immediate, Redis with its data or without, or both), and checks besides that the API answers 503 with a
+problem body while Postgres is down, accepts submissions while Redis is down, recovers within a bound,
+that the clients' retries of 503s succeed, and that no process exits unasked. Logs, the pool file and the
 report (``report.json``, and the text printed at the end) go to ``--workdir``. Exits 1 when any check
 failed. Not part of ``make test``; docs/benchmarks.md describes a run.
 """
@@ -253,9 +258,12 @@ class Proc:
 WORKERS = (("w-threads8", "threads", 8), ("w-gevent20", "gevent", 20), ("w-threads4", "threads", 4))
 
 
-def start_worker(name: str, pool: str, concurrency: int, env: dict[str, str], logs: Path) -> Proc:
-    argv = [sys.executable, "-m", "conductor.cli", "worker", "--no-supervise", "--pool", pool,
-            "--concurrency", str(concurrency), "--queues", "planner,steps,maintenance,webhooks",
+def start_worker(name: str, pool: str, concurrency: int, env: dict[str, str], logs: Path,
+                 supervise: bool = False) -> Proc:
+    """``supervise``: as deployed, ``conductor worker`` restarts its Celery worker when it exits (it does when
+    Redis goes away under an unacknowledged message); the plain soak runs Celery in the foreground."""
+    argv = [sys.executable, "-m", "conductor.cli", "worker", *([] if supervise else ["--no-supervise"]),
+            "--pool", pool, "--concurrency", str(concurrency), "--queues", "planner,steps,maintenance,webhooks",
             "--hostname", f"{name}-{{n}}@soak", "--loglevel", "info"]
     proc = Proc(name, argv, env, logs)
     proc.wait_for_log("ready.")
@@ -347,6 +355,8 @@ class Ledger:
     violations: list[dict[str, Any]] = field(default_factory=list)
     actions: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    services_restart: bool = False
+    """--service-chaos: an event stream may end with ``job_read_failed`` while Postgres is down."""
 
     def job(self, job_id: str, tenant: str, kind: str, **info: Any) -> None:
         with self.lock:
@@ -374,17 +384,74 @@ def random_workflow(rng: random.Random, *, recursive: bool) -> dict[str, Any]:
     return {"model_ids": agents, "subtasks": [f"subtask {i}" for i in range(n)], "access_lists": access}
 
 
+RETRY_503_FOR_S = 120.0
+"""How long a client keeps retrying the service's 503s ("retry shortly"), Retry-After apart: past every
+outage the service chaos makes (at most SERVICE_DOWN_S plus Postgres's recovery)."""
+
+
+class RetryingClient:
+    """An ``httpx.Client`` that does what the service asks of a client on a 503: waits Retry-After and sends
+    again, for up to ``RETRY_503_FOR_S``. Each 503 must carry a problem body (RFC 9457) or, on the OpenAI
+    routes, an OpenAI error body; one that does not is a violation. The answer after the retries is the
+    caller's to judge (a 503 still is then an unexpected status)."""
+
+    def __new__(cls, ledger: Ledger, **kwargs: Any) -> Any:
+        import httpx
+
+        class _Client(httpx.Client):
+            def send(self, request: Any, **kw: Any) -> Any:
+                give_up = time.monotonic() + RETRY_503_FOR_S
+                while True:
+                    response = super().send(request, **kw)
+                    if response.status_code != 503:
+                        return response
+                    response.read()
+                    ledger.count(f"503 {request.method} {_route(request.url.path)}")
+                    if not _is_error_body(response):
+                        ledger.violation("503_without_problem_body", method=request.method, path=request.url.path,
+                                         content_type=response.headers.get("content-type"), body=response.text[:300])
+                    if time.monotonic() > give_up or response.headers.get("x-should-retry") == "false":
+                        return response  # (a chat whose job exists: a retry would start a second one)
+                    response.close()
+                    try:
+                        wait = float(response.headers.get("retry-after", "1"))
+                    except ValueError:
+                        wait = 1.0
+                    time.sleep(min(max(wait, 0.2), 5.0) * random.uniform(0.5, 1.0))
+                    ledger.count("503_retried")
+
+        return _Client(**kwargs)
+
+
+def _route(path: str) -> str:
+    return re.sub(r"/[0-9a-f]{32}|/(batch|file)_[A-Za-z0-9]+", "/ID", path)
+
+
+def _is_error_body(response: Any) -> bool:
+    """A problem body (``application/problem+json`` with a title and the status) or an OpenAI error body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    if not isinstance(body, dict):
+        return False
+    if response.headers.get("content-type", "").startswith("application/problem+json"):
+        return body.get("status") == response.status_code and bool(body.get("title"))
+    return isinstance(body.get("error"), dict) and bool(body["error"].get("message"))
+
+
 class Tenant:
     """One tenant's client side: its key, an httpx client, an openai client, and the actions it takes."""
 
     def __init__(self, name: str, key: str, api: str, ledger: Ledger, hook_url: str, seed: str):
-        import httpx
         from openai import OpenAI
 
         self.name, self.key, self.api, self.ledger, self.hook_url = name, key, api, ledger, hook_url
         self.rng = random.Random(seed)
-        self.http = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-        self.openai = OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0, timeout=300)
+        self.http = RetryingClient(ledger, base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        # through a client of its own that retries 503s as self.http does (a no-op unless services restart)
+        self.openai = OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0, timeout=300,
+                             http_client=RetryingClient(ledger, timeout=300))
         self.pending_batch_cancels: list[tuple[float, str]] = []
         self.others: list[Tenant] = []
 
@@ -497,7 +564,8 @@ class Tenant:
             job_id = exc.response.headers.get("conductor-job-id")
             record.update(job=job_id, status=exc.status_code, code=(exc.body or {}).get("code")
                           if isinstance(exc.body, dict) else None)
-            if exc.status_code not in (409, 500, 429) or (exc.status_code != 429 and not job_id):
+            accepted = (409, 500, 429, 503) if self.ledger.services_restart else (409, 500, 429)
+            if exc.status_code not in accepted or (exc.status_code != 429 and not job_id):
                 self.ledger.violation("chat_error", tenant=self.name, status=exc.status_code, job=job_id,
                                       message=str(exc)[:500])
         except openai.APIError as exc:
@@ -637,7 +705,10 @@ class Tenant:
                     elif line.startswith("data:") and event == "job":
                         last_job_event = json.loads(line[5:])
                     elif line.startswith("data:") and event == "error":
-                        self.ledger.violation("event_stream_error", tenant=self.name, job=job_id, data=line)
+                        if self.ledger.services_restart and "job_read_failed" in line:  # Postgres stayed away
+                            self.ledger.count("events error job_read_failed")
+                        else:
+                            self.ledger.violation("event_stream_error", tenant=self.name, job=job_id, data=line)
                     if time.monotonic() > deadline:
                         break
         except Exception as exc:  # a read timeout while nothing changes
@@ -703,19 +774,162 @@ def run_load(tenants: list[Tenant], stop: threading.Event, threads_per_tenant: i
 
 
 def chaos(workers: list[Proc], stop: threading.Event, rng: random.Random, log: Callable[[str], None],
-          every: tuple[float, float]) -> None:
+          every: tuple[float, float], guard: threading.Lock) -> None:
     """SIGKILLs one worker process every ``every`` seconds (uniform) and starts it again a moment later."""
     while not stop.wait(rng.uniform(*every)):
         victim = rng.choice(workers)
-        victim.kill()
-        log(f"chaos: SIGKILLed {victim.name} (incarnation {victim.incarnation})")
-        time.sleep(rng.uniform(1, 5))
-        victim.start()
+        with guard:
+            victim.kill()
+            log(f"chaos: SIGKILLed {victim.name} (incarnation {victim.incarnation})")
+            time.sleep(rng.uniform(1, 5))
+            victim.start()
         try:
             victim.wait_for_log("ready.")
         except RuntimeError as exc:
             log(f"chaos: {victim.name} did not come back: {exc}")
         log(f"chaos: restarted {victim.name} (incarnation {victim.incarnation})")
+
+
+# --- service chaos: Postgres and Redis restarted under the load ------------------------------------------------
+
+SERVICE_FAULTS = ("pg_fast", "pg_immediate", "redis_saved", "redis_lost", "both")
+"""Postgres stopped fast (a checkpoint, sessions ended) or immediate (crash recovery); Redis shut down with
+a save (its messages come back) or SIGKILLed (``--save ""``: the broker's queues are lost); both at once
+(Postgres immediate, Redis lost)."""
+SERVICE_DOWN_S = (3.0, 15.0)
+"""How long a restarted service stays down by default (uniform; --down-min/--down-max): long enough for the
+probe and the load to meet it, and past the soak's step lease (6 s)."""
+RECOVERY_BOUND_S = 60.0
+"""After a service is back, the API must answer a submission (202) within this long (its pooled connections
+probed and replaced); else ``api_not_recovered``."""
+
+
+@dataclass
+class Outages:
+    """What is down now, and what the service chaos did (for the report)."""
+
+    pg_down: threading.Event = field(default_factory=threading.Event)
+    redis_down: threading.Event = field(default_factory=threading.Event)
+    done: list[dict[str, Any]] = field(default_factory=list)
+    probes: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def service_chaos(services: tuple[Any, Any], outages: Outages, stop: threading.Event, rng: random.Random,
+                  log: Callable[[str], None], every: tuple[float, float],
+                  down: tuple[float, float] = SERVICE_DOWN_S) -> None:
+    """Every ``every`` seconds (uniform) one fault of SERVICE_FAULTS, each in turn in a shuffled order (so a
+    run of five or more faults has them all): the service(s) stopped, down ``down`` seconds, started again."""
+    pg, redis_server = services
+    order: list[str] = []
+    while not stop.wait(rng.uniform(*every)):
+        if not order:
+            order = list(SERVICE_FAULTS)
+            rng.shuffle(order)
+        fault = order.pop()
+        down_s = rng.uniform(*down)
+        began = time.monotonic()
+        if fault in ("pg_fast", "pg_immediate", "both"):
+            outages.pg_down.set()
+            pg.stop("fast" if fault == "pg_fast" else "immediate")
+        if fault in ("redis_saved", "redis_lost", "both"):
+            outages.redis_down.set()
+            redis_server.stop(save=fault == "redis_saved")
+        log(f"service chaos: {fault}: down for {down_s:.1f}s")
+        time.sleep(down_s)
+        if outages.redis_down.is_set():
+            redis_server.start(keep_data=fault == "redis_saved")
+            outages.redis_down.clear()
+        if outages.pg_down.is_set():
+            pg.start()
+            outages.pg_down.clear()
+        with outages.lock:
+            outages.done.append({"fault": fault, "down_s": round(time.monotonic() - began, 1)})
+        log(f"service chaos: {fault}: back after {time.monotonic() - began:.1f}s")
+
+
+PROBES: tuple[tuple[str, str, Any, bool], ...] = (
+    ("GET", "/healthz", None, False), ("GET", "/v1/jobs", None, False), ("POST", "/v1/jobs", "job", False),
+    ("GET", "/v1/models", None, False), ("GET", "/metrics", None, False), ("GET", "/v1/batches", None, False),
+    ("POST", "/v1/chat/completions", {"model": "conductor/template:single",
+                                      "messages": [{"role": "user", "content": "soak outage probe"}]}, True),
+)
+"""What the outage probe sends each second while a service is down (``"job"``: a one-step workflow job); the
+last field: only while Postgres is down (a chat completion waits for its job, which a Redis outage delays)."""
+
+
+def probe_outages(api: str, key: str, outages: Outages, ledger: Ledger, stop: threading.Event,
+                  log: Callable[[str], None]) -> None:
+    """While Postgres is down, the API answers 503 with a problem body (never a 500); while Redis is down it
+    still accepts submissions (202: the reconciler sends them later); once a service is back, a submission
+    is accepted within RECOVERY_BOUND_S. One request of each kind a second, without retries."""
+    import httpx
+
+    http = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    body = {"task": "soak outage probe", "workflow": {"model_ids": ["sim-a"], "subtasks": ["probe"],
+                                                      "access_lists": [[]]}}
+    was_down: str | None = None
+    while not stop.wait(1.0):
+        pg_down, redis_down = outages.pg_down.is_set(), outages.redis_down.is_set()
+        if pg_down or redis_down:
+            was_down = "postgres" if pg_down else "redis"
+            for method, path, sent, pg_only in PROBES:
+                if pg_only and not pg_down:
+                    continue
+                try:
+                    headers = {"Authorization": f"Bearer {METRICS_TOKEN}"} if path == "/metrics" else {}
+                    r = http.request(method, path, json=body if sent == "job" else sent, headers=headers)
+                except httpx.HTTPError as exc:
+                    ledger.violation("probe_no_answer", down=was_down, method=method, path=path,
+                                     error=f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                with outages.lock:
+                    outages.probes[f"{was_down} down: {method} {path} {r.status_code}"] += 1
+                if r.status_code == 202 and sent == "job":
+                    ledger.job(r.json()["id"], "soak-a", "workflow", steps=1, probe=True, webhook=False)
+                if pg_down and r.status_code == 503:
+                    if not _is_error_body(r):
+                        ledger.violation("503_without_problem_body", down="postgres", method=method, path=path,
+                                         content_type=r.headers.get("content-type"), body=r.text[:300])
+                    elif "retry-after" not in r.headers:
+                        ledger.violation("503_without_retry_after", method=method, path=path)
+                elif r.status_code >= 500 or (redis_down and not pg_down and sent == "job"
+                                              and r.status_code != 202):
+                    ledger.violation("probe_unexpected_status", down=was_down, method=method, path=path,
+                                     status=r.status_code, body=r.text[:500])
+        elif was_down is not None:
+            back = time.monotonic()
+            while True:
+                try:
+                    r = http.post("/v1/jobs", json=body)
+                    if r.status_code == 202:
+                        ledger.job(r.json()["id"], "soak-a", "workflow", steps=1, probe=True, webhook=False)
+                        break
+                    status: Any = r.status_code
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                if time.monotonic() - back > RECOVERY_BOUND_S:
+                    ledger.violation("api_not_recovered", after=was_down, last=status)
+                    break
+                time.sleep(0.5)
+            with outages.lock:
+                outages.probes[f"recovered after {was_down}: first 202 within {int(time.monotonic() - back) + 1}s"] += 1
+            was_down = None
+
+
+def watch_processes(procs: list[Proc], guard: threading.Lock, ledger: Ledger, stop: threading.Event,
+                    log: Callable[[str], None]) -> None:
+    """A process that exits unasked (the API, beat, a worker's supervisor) is a violation; it is started again
+    so that the run goes on. ``guard`` is held by the worker chaos while it kills and restarts one."""
+    while not stop.wait(2.0):
+        with guard:
+            for proc in procs:
+                assert proc.popen is not None
+                code = proc.popen.poll()
+                if code is not None:
+                    ledger.violation("process_exited", process=proc.name, code=code, log=str(proc.log_paths[-1]))
+                    log(f"watchdog: {proc.name} exited with code {code}; starting it again")
+                    proc.start()
 
 
 # --- the checks ------------------------------------------------------------------------------------------------
@@ -1009,14 +1223,42 @@ TRACEBACK = re.compile(r"Traceback \(most recent call last\)|Exception ignored i
 """A traceback (also one Celery's stderr redirect logs line by line as WARNING), or an error logged."""
 
 
-def check_logs(v: Callable[..., None], procs: list[Proc]) -> None:
+OUTAGE = re.compile(
+    r"OperationalError|InterfaceError|DisconnectionError|ConnectionRefusedError|ConnectionResetError|"
+    r"redis\.exceptions\.(ConnectionError|TimeoutError|BusyLoadingError)|Connection refused|"
+    r"Cannot connect to redis|Connection to broker lost|server closed the connection|terminating connection|"
+    r"the database system is (starting up|shutting down|in recovery mode)|Connection closed by server|"
+    r"Error while reading from|consumer: Connection to broker lost|Unrecoverable error|"
+    r"BrokenPipeError|Error \d+ connecting to 127\.0\.0\.1|"
+    # kombu's Redis transport closing a channel whose connection is gone (docs/architecture.md, Worker supervision)
+    r"object has no attribute '(hostname|connection_errors)'")
+"""A log error whose context names a lost Postgres or Redis connection: expected while --service-chaos has
+one down, counted in the report (``outage_log_errors``) rather than a violation. The rows' checks judge
+whether the service recovered from it."""
+
+
+OUTAGE_WINDOW = (40, 60)
+"""Lines before and after a log error searched for OUTAGE."""
+
+
+def check_logs(v: Callable[..., None], procs: list[Proc], outage_errors: Counter[str] | None = None) -> None:
+    """Every log error is a violation, or with ``outage_errors`` (service chaos) one whose context names a
+    lost connection is counted there by its first line (ids and numbers blanked)."""
     for proc in procs:
         for path in proc.log_paths:
             text = path.read_text(errors="replace")
             lines = text.splitlines()
             for i, line in enumerate(lines):
                 if TRACEBACK.search(line):
-                    v("log_error", log=str(path), line=i + 1, context="\n".join(lines[max(0, i - 3): i + 25]))
+                    context = "\n".join(lines[max(0, i - 3): i + 25])
+                    # the traceback around it, each exception of its chain (Celery's stderr redirect logs a
+                    # traceback line by line, so a log record is not a boundary)
+                    record = "\n".join(lines[max(0, i - OUTAGE_WINDOW[0]): i + OUTAGE_WINDOW[1]])
+                    if outage_errors is not None and OUTAGE.search(record):
+                        first = re.sub(r"[0-9a-f]{32}|\d+(\.\d+)?", "N", line.split("]", 1)[-1]).strip()
+                        outage_errors[f"{proc.name}: {first[:160]}"] += 1
+                        continue
+                    v("log_error", log=str(path), line=i + 1, context=context)
 
 
 def warnings_seen(procs: list[Proc]) -> dict[str, int]:
@@ -1071,6 +1313,21 @@ def soak_main(args: argparse.Namespace) -> int:
         progress.write(line + "\n")
         progress.flush()
 
+    services: tuple[Any, Any] | None = None
+    if args.service_chaos:  # a cluster and a Redis of the soak's own, which it restarts
+        from bench.services import PrivatePostgres, PrivateRedis
+
+        pg, redis_server = PrivatePostgres(workdir, args.pg_port), PrivateRedis(workdir, args.redis_port)
+        pg.init()
+        pg.start()
+        redis_server.start(keep_data=False)
+        services = (pg, redis_server)
+        import atexit
+
+        atexit.register(lambda: (redis_server.stop(save=False), pg.stop("immediate")))  # also when the soak fails
+        args.database_url = pg.url("conductor_soak")
+        args.broker_url, args.result_backend = redis_server.url(0), redis_server.url(1)
+        log(f"services: Postgres {args.database_url} (cluster {pg.data}), Redis {args.broker_url}")
     env = soak_env(args, workdir)
     os.environ.update({k: v for k, v in env.items() if k.startswith("CONDUCTOR_") or k == ANTHROPIC_KEY_ENV})
     from conductor.settings import get_settings
@@ -1111,20 +1368,34 @@ def soak_main(args: argparse.Namespace) -> int:
                 break
         assert time.monotonic() < deadline, "the API did not become healthy"
         time.sleep(0.2)
-    workers = [start_worker(name, pool, c, env, logs) for name, pool, c in WORKERS]
+    workers = [start_worker(name, pool, c, env, logs, supervise=args.service_chaos) for name, pool, c in WORKERS]
     beat = Proc("beat", [sys.executable, "-m", "conductor.cli", "beat", "--loglevel", "info"], env, logs)
     beat.wait_for_log("beat: Starting")
     log(f"up: api {url}, workers {[w.name for w in workers]}, beat; workdir {workdir}")
 
-    ledger = Ledger()
+    ledger = Ledger(services_restart=services is not None)
     tenants = [Tenant(name, keys[name], url, ledger, hook_url, seed=f"{args.seed}-{name}") for name in TENANTS]
     for t in tenants:
         t.others = [o for o in tenants if o is not t]
     stop_load, stop_chaos = threading.Event(), threading.Event()
     threads = run_load(tenants, stop_load, args.threads, args.pause, args.seed)
-    chaos_thread = threading.Thread(target=chaos, args=(workers, stop_chaos, rng, log, (args.kill_min, args.kill_max)),
-                                    daemon=True)
-    chaos_thread.start()
+    guard = threading.Lock()
+    chaos_threads = [threading.Thread(target=chaos, args=(workers, stop_chaos, rng, log,
+                                                          (args.kill_min, args.kill_max), guard), daemon=True)]
+    outages = Outages()
+    stop_watch = threading.Event()
+    if services is not None:
+        chaos_threads.append(threading.Thread(
+            target=service_chaos, args=(services, outages, stop_chaos, random.Random(args.seed + 2), log,
+                                        (args.service_min, args.service_max), (args.down_min, args.down_max)),
+            daemon=True))
+        chaos_threads.append(threading.Thread(target=probe_outages, args=(url, keys["soak-a"], outages, ledger,
+                                                                          stop_chaos, log), daemon=True))
+        watchdog = threading.Thread(target=watch_processes, args=([*workers, beat, api], guard, ledger, stop_watch,
+                                                                  log), daemon=True)
+        watchdog.start()
+    for thread in chaos_threads:
+        thread.start()
     end = time.monotonic() + args.minutes * 60
     while time.monotonic() < end:
         time.sleep(min(30, max(0, end - time.monotonic())))
@@ -1132,7 +1403,8 @@ def soak_main(args: argparse.Namespace) -> int:
             log(f"load: {len(ledger.jobs)} jobs, {len(ledger.batches)} batches, {len(ledger.chats)} chats, "
                 f"{len(ledger.violations)} client-side violations; actions {dict(ledger.actions)}")
     stop_chaos.set()
-    chaos_thread.join()
+    for thread in chaos_threads:
+        thread.join()
     stop_load.set()
     log("load stopped; waiting for the clients' requests in flight")
     for thread in threads:
@@ -1172,11 +1444,13 @@ def soak_main(args: argparse.Namespace) -> int:
             check()
         except Exception as exc:
             v("check_raised", name=name, error=f"{type(exc).__name__}: {exc}")
+    stop_watch.set()
     for proc in [*workers, beat, api]:
         proc.stop()
     provider.stop()
     hook_server.shutdown()
-    check_logs(v, [*workers, beat, api])
+    outage_errors: Counter[str] | None = Counter() if services is not None else None
+    check_logs(v, [*workers, beat, api], outage_errors)
 
     summary = {
         "jobs": dict(Counter(r.status for r in q("SELECT status FROM job"))),
@@ -1192,11 +1466,25 @@ def soak_main(args: argparse.Namespace) -> int:
         "warnings": warnings_seen([*workers, beat, api]),
         "checked": dict(CHECKED),
     }
+    if services is not None:
+        summary["service_faults"] = dict(Counter(o["fault"] for o in outages.done))
+        summary["outages"] = outages.done
+        summary["probes"] = dict(sorted(outages.probes.items()))
+        summary["outage_log_errors"] = dict((outage_errors or Counter()).most_common(40))
+        summary["worker_restarts_by_supervisor"] = sum(
+            path.read_text(errors="replace").count("the Celery worker exited with code")
+            for w in workers for path in w.log_paths)
     (workdir / "report.json").write_text(json.dumps({"summary": summary, "violations": found}, indent=2, default=str))
     log("summary: " + json.dumps(summary, default=str))
     for f in found[:200]:
         log("VIOLATION " + json.dumps(f, default=str)[:3000])
     log(f"{len(found)} violations; report: {workdir / 'report.json'}")
+    if services is not None:
+        from conductor.store.db import get_engine
+
+        get_engine().dispose()
+        services[1].stop(save=False)
+        services[0].stop("fast")
     return 1 if found else 0
 
 
@@ -1215,11 +1503,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pause", type=float, default=1.5, help="mean seconds between a thread's actions (default 1.5)")
     p.add_argument("--kill-min", type=float, default=60, help="seconds between worker kills, at least (default 60)")
     p.add_argument("--kill-max", type=float, default=120, help="and at most (default 120)")
+    p.add_argument("--service-chaos", action="store_true",
+                   help="run a Postgres cluster and a Redis server of the soak's own (in --workdir, on --pg-port and "
+                        "--redis-port) and restart them every --service-min to --service-max seconds")
+    p.add_argument("--pg-port", type=int, default=5441, help="the private cluster's port (default 5441)")
+    p.add_argument("--redis-port", type=int, default=6395, help="the private Redis server's port (default 6395)")
+    p.add_argument("--service-min", type=float, default=120, help="seconds between service faults, at least "
+                                                                   "(default 120)")
+    p.add_argument("--service-max", type=float, default=240, help="and at most (default 240)")
+    p.add_argument("--down-min", type=float, default=SERVICE_DOWN_S[0], help="seconds a restarted service "
+                   f"stays down, at least (default {SERVICE_DOWN_S[0]:.0f})")
+    p.add_argument("--down-max", type=float, default=SERVICE_DOWN_S[1], help=f"and at most (default "
+                                                                            f"{SERVICE_DOWN_S[1]:.0f})")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--workdir", help="logs and report (default /tmp/conductor-soak-TIMESTAMP)")
     args = p.parse_args(argv)
     if args.command == "provider":
         return provider_main(args)
+    if args.service_chaos:
+        if args.database_url or args.broker_url or args.result_backend:
+            p.error("--service-chaos runs its own Postgres and Redis: leave out --database-url, --broker-url "
+                    "and --result-backend")
+        return soak_main(args)
     if not (args.database_url and args.broker_url and args.result_backend):
         p.error("--database-url, --broker-url and --result-backend are required (the soak truncates and flushes them)")
     if args.database_url.rstrip("/").endswith("/conductor_test"):
