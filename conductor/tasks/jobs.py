@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
+from kombu.exceptions import OperationalError as BrokerAway
 
 from conductor.engine import Dispatch, Taken, Taker, finalize_job, holding_taken, plan_job, run_step, run_taken
 from conductor.settings import Settings, get_settings
@@ -108,17 +109,17 @@ def _continue(slot: _Slot, due: Dispatch, take: Taker | None, beside: list[Futur
                 taken, held = later.pop(0)
                 held.close()  # its run holds the lease from here
             if taken is not None:
-                send(due)
+                _send_rest(slot, due)
                 log.info("task %s continues with %s (claimed with the outcome that made it ready; no message)",
                          slot.task_id, step_label(taken.job_id, taken.index, taken.agent))
                 due = run_taken(taken, settings=settings, take=take)
                 continue
             mine = _step_to_continue(due, slot.consumed, settings) if settings.worker_continue_steps else None
             if mine is None:
-                send(due)
+                _send_rest(slot, due)
                 return
             due.steps.remove(mine)
-            send(due)
+            _send_rest(slot, due)
             job_id, index = mine
             log.info("task %s continues with %s (made ready here; no message)", slot.task_id,
                      step_label(job_id, index, due.agents.get(mine)))
@@ -129,6 +130,20 @@ def _continue(slot: _Slot, due: Dispatch, take: Taker | None, beside: list[Futur
             log.error("task %s raised before running %s, claimed beside it; its lease lapses and the reconciler "
                       "re-sends it", slot.task_id, step_label(step.job_id, step.index, step.agent))
             held.close()
+
+
+def _send_rest(slot: _Slot, due: Dispatch) -> None:
+    """Sends what ``due`` names besides the step this task runs next. With the broker away (kombu's
+    ``OperationalError``, after the publish retries) the rest is left to the reconciler, as the API leaves
+    a submission's plan: the rows say what is due (a step queued and not sent is re-sent once its message
+    is ``reconcile_stale_s`` overdue, a plan never enqueued at the next pass, a webhook at its due time), and
+    the task goes on with its own step, which needs Postgres and its provider, not the broker. Raising here
+    instead left that step queued for the reconciler, or claimed until its lease lapsed."""
+    try:
+        send(due)
+    except BrokerAway as exc:
+        log.warning("task %s: what it made due is not sent yet (broker away: %s); the reconciler sends it",
+                    slot.task_id, exc)
 
 
 def _run_beside(slot: _Slot, step: Taken) -> None:

@@ -1,0 +1,74 @@
+"""A task whose send of what its step made due fails (the broker away) still runs the step it continues
+with: the rows say what is due, and the reconciler sends the rest once the broker is back.
+
+Run in this process against the test database, the Celery app's broker pointed at a loopback port that
+nothing listens on (a Redis that is down: kombu's connection is refused), as a worker's task would run.
+Found by the chaos soak with Redis restarts (bench/soak.py --service-chaos).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from conductor.engine import plan_job, run_step
+from conductor.settings import get_settings
+from conductor.store import jobs as store
+from conductor.store.db import session_scope
+from conductor.submission import JobCreate, create_job
+from conductor.tasks.app import STEPS_QUEUE, app
+from conductor.tasks.jobs import _run_on, _Slot
+from tests.integration.harness import free_port
+
+
+@contextmanager
+def broker_away() -> Iterator[str]:
+    """The app's broker is a port nothing listens on until the block ends (its connection pools rebuilt)."""
+    saved = app.conf.broker_url
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+
+    def rebuild() -> None:
+        app._pool = None
+        app.amqp._producer_pool = None
+
+    app.conf.broker_url = dead
+    rebuild()
+    try:
+        yield dead
+    finally:
+        app.conf.broker_url = saved
+        rebuild()
+
+
+@pytest.fixture
+def no_local_slots(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No step runs beside the task: a second ready step must be sent."""
+    monkeypatch.setenv("CONDUCTOR_WORKER_LOCAL_SLOTS", "0")
+    get_settings.cache_clear()
+    yield
+    monkeypatch.delenv("CONDUCTOR_WORKER_LOCAL_SLOTS")
+    get_settings.cache_clear()
+
+
+def test_the_step_a_task_continues_with_runs_while_the_broker_is_away(no_local_slots: None) -> None:
+    settings = get_settings()
+    assert settings.worker_local_slots == 0 and settings.worker_continue_steps
+    body = {"task": "broker away", "workflow": {"model_ids": ["a", "a", "a"], "subtasks": ["s0", "s1", "s2"],
+                                                "access_lists": [[], [0], [0]]}}
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate(body), tenant="broker-away", settings=settings)
+    due = plan_job(job.id, settings=settings)  # as the planner worker would; step 0 is due (not sent)
+    assert due.steps == [(job.id, 0)]
+    slot = _Slot(hostname="broker-away@test", task_id=None, consumed=frozenset({STEPS_QUEUE}))
+    take = slot.taker(settings)
+    with broker_away():
+        # step 0's outcome makes steps 1 and 2 ready: one is claimed to continue here, the other must be
+        # sent, and cannot be
+        _run_on(slot, run_step(job.id, 0, worker=slot.worker(), task_id=None, settings=settings, take=take), take)
+    with session_scope() as s:
+        statuses = [st.status for st in store.get_steps(s, job_id=job.id)]
+    assert statuses[0] == "succeeded"
+    # the one claimed here ran; the other waits, queued, for the reconciler to send it
+    assert sorted(statuses[1:]) == ["queued", "succeeded"], statuses
