@@ -63,7 +63,9 @@ def check_submit_rate(tenant: str, settings: Settings) -> None:
             SUBMIT_BUCKET + tenant, per_minute=settings.tenant_submits_per_minute, burst=settings.tenant_submit_burst
         )
     except RateLimiterUnavailable as exc:  # Redis is down: accept (the outbox copes), and say so
-        log.warning("submit-rate quota not enforced: %s", exc)
+        cause = exc.__cause__ or exc  # (the limiter's own message speaks of a step to retry)
+        log.warning("submit-rate quota not enforced: its Redis cannot be reached (%s: %s); the submission is "
+                    "accepted", type(cause).__name__, cause)
         return
     if wait > 0:
         raise QuotaExceeded(

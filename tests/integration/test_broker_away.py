@@ -72,3 +72,19 @@ def test_the_step_a_task_continues_with_runs_while_the_broker_is_away(no_local_s
     assert statuses[0] == "succeeded"
     # the one claimed here ran; the other waits, queued, for the reconciler to send it
     assert sorted(statuses[1:]) == ["queued", "succeeded"], statuses
+
+
+def test_the_submit_rate_warning_with_redis_away_says_the_submission_is_accepted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The submit-rate quota lives in the broker's Redis; away, the submission is accepted unmetered and the
+    warning says that (it repeated the step rate limiter's 'the step will be retried')."""
+    from conductor.quotas import check_submit_rate
+    from conductor.settings import Settings
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    with caplog.at_level("WARNING", logger="conductor.quotas"):
+        check_submit_rate("broker-away", Settings(broker_url=dead))  # no quota error: accepted
+    (record,) = [r for r in caplog.records if r.name == "conductor.quotas"]
+    message = record.getMessage()
+    assert "submission is accepted" in message and "Connection refused" in message, message
+    assert "step" not in message, message
