@@ -3,15 +3,19 @@ the reconciler make sure an ended job's webhook is sent even when a message is l
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Task
+from kombu.exceptions import OperationalError as BrokerAway
 
 from conductor.settings import get_settings
 from conductor.store.models import Job, Step
 from conductor.tasks.app import DELIVER_WEBHOOK_TASK, app
 from conductor.tasks.send import schedule_webhook_retry
 from conductor.webhooks.deliver import deliver
+
+log = logging.getLogger(__name__)
 
 
 def job_payload(job: Job, steps: list[Step]) -> dict[str, Any]:
@@ -26,7 +30,11 @@ def job_payload(job: Job, steps: list[Step]) -> dict[str, Any]:
 def deliver_webhook(self: Task, delivery_id: str) -> None:
     outcome = deliver(delivery_id, settings=get_settings(), render=job_payload)
     if outcome.retry_in is not None:
-        schedule_webhook_retry(delivery_id, outcome.retry_in)
+        try:
+            schedule_webhook_retry(delivery_id, outcome.retry_in)
+        except BrokerAway as exc:  # the row holds the attempt's due time and no message: the reconciler sends it
+            log.warning("delivery %s: its retry in %.1f s is not sent (broker away: %s); the reconciler sends it "
+                        "when due", delivery_id, outcome.retry_in, exc)
 
 
 __all__ = ["deliver_webhook"]

@@ -88,3 +88,40 @@ def test_the_submit_rate_warning_with_redis_away_says_the_submission_is_accepted
     message = record.getMessage()
     assert "submission is accepted" in message and "Connection refused" in message, message
     assert "step" not in message, message
+
+
+def test_a_failed_webhook_attempt_with_the_broker_away_is_left_to_the_reconciler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attempt failed (500) and its retry cannot be sent: the task ends without raising, and the row says
+    the retry is due with no message sent, which is what the reconciler sends."""
+    from datetime import timedelta
+
+    from conductor.engine import Dispatch
+    from conductor.reconcile import ENQUEUE_GRACE_S
+    from conductor.store import webhooks as webhook_store
+    from conductor.store.models import utcnow
+    from conductor.tasks.webhooks import deliver_webhook
+    from tests.integration.webhook_receiver import serve_receiver
+
+    monkeypatch.setenv("CONDUCTOR_WEBHOOK_ALLOW_LOOPBACK", "true")
+    monkeypatch.setenv("CONDUCTOR_WEBHOOK_BACKOFF_S", "[0.5, 1]")
+    get_settings.cache_clear()
+    try:
+        settings = get_settings()
+        with serve_receiver() as receiver:
+            url = receiver.on("/away", 500)
+            body = {"task": "hook", "workflow": {"model_ids": ["a"], "subtasks": ["s"], "access_lists": [[]]},
+                    "webhook_url": url}
+            with session_scope() as s:
+                job, _ = create_job(s, JobCreate.model_validate(body), tenant="broker-away", settings=settings)
+            plan_job(job.id, settings=settings)
+            ended: Dispatch = run_step(job.id, 0, worker="test", task_id=None, settings=settings)
+            (delivery_id,) = ended.webhooks
+            with broker_away():
+                deliver_webhook.run(delivery_id)  # the attempt gets its 500; its retry's send is refused
+            assert [r.answered for r in receiver.at("/away")] == [500]
+        with session_scope() as s:
+            due = webhook_store.deliveries_due(s, now=utcnow() + timedelta(seconds=ENQUEUE_GRACE_S + 5), grace_s=0)
+        assert delivery_id in {d.id for d in due if d.sent_at is None}
+    finally:
+        get_settings.cache_clear()
