@@ -41,15 +41,16 @@ came 3rd, after the queued tenant's free one and its two reserved (before: behin
 so refused).
 
 Batch work (a batch's lines and their child jobs) waits behind its own tenant's live work: a caller marked
-``background`` queues in its tenant's queue behind every live caller of that tenant, whenever each came
-(its place is its arrival plus ``BATCH_BEHIND_US``), so a tenant's live step arriving behind its thousand
-waiting batch steps takes the tenant's next place, after at most the slots the tenant already holds
-reserved. The tenant stays one party: it does not get a second share for its batch (a party of its own,
-``"{tenant}/batch"``, would have given a tenant with a batch and live work two turns to every other tenant's
-one). Between tenants nothing changes: another tenant's batch keeps its share against this tenant's live
-steps (a waiting caller holds a worker's slot and has a ``timeout_s``: batch work that always yielded to
-everyone's live work could wait out its attempts and fail). A batch caller's estimate counts the live
-callers queued when it asks; one arriving later pushes it back, and it learns so when it asks again.
+``background`` queues in its tenant's queue behind the live callers of that tenant that come up to half its
+wait after it (its place is its arrival plus ``BATCH_BEHIND_SHARE`` of its wait), so a tenant's live step
+arriving behind its thousand just-queued batch steps takes the tenant's next place, after at most the slots
+the tenant already holds reserved, while a batch step that has waited that long is not overtaken again. The
+tenant stays one party: it does not get a second share for its batch (a party of its own, ``"{tenant}/batch"``,
+would have given a tenant with a batch and live work two turns to every other tenant's one). Between tenants
+nothing changes: another tenant's batch keeps its share against this tenant's live steps (a waiting caller
+holds a worker's slot and has a ``timeout_s``: batch work that always yielded to everyone's live work could
+wait out its attempts and fail). A batch caller's estimate counts the live callers queued when it asks; one
+arriving later (within the offset) pushes it back, and it learns so when it asks again.
 """
 
 from __future__ import annotations
@@ -112,16 +113,19 @@ it (at least 1): a tenant alone holds 2, each of several 1. Small, so a tenant a
 LEASE_GRACE_S = 2.0
 """A queued caller keeps its place this long past the time it was told to ask again; one that has not asked
 by then (its process died, it was cancelled) is dropped from the queue, and one late past it queues anew."""
-BATCH_BEHIND_US = 2**50
-"""What a batch caller's place in its tenant's queue adds to its arrival (microseconds on Redis's clock, about
-36 years): it sorts behind every live caller of the tenant, and batch callers keep their arrival order among
-themselves. The sum stays below 2**53, exact in Redis's double scores."""
+BATCH_BEHIND_SHARE = 0.5
+"""A batch caller queues in its tenant's queue as if it had come this share of its wait (``timeout_s``,
+``CONDUCTOR_RATE_LIMIT_WAIT_S`` for a step) later than it did: the tenant's live callers arriving up to then
+go before it, later ones after it, and batch callers keep their arrival order among themselves. Finite, so a
+batch caller ages to the front: with an unbounded offset, a tenant whose live calls kept its share busy pushed
+its batch callers back at every arrival until each was refused, used up its step's attempts and failed the
+line; with half its wait, a batch caller still has the other half to be served from the place it reached."""
 
 # KEYS[1] bucket; KEYS[2] the agent's backlogged tenants (zset: until when their reservations or queued
 # callers last); KEYS[3] this tenant's reserved slots (zset: due time); KEYS[4] this tenant's queued
-# callers (zset: arrival, plus BATCH_BEHIND_US for batch work); KEYS[5] their leases (zset: lease end). ARGV:
+# callers (zset: arrival, plus an offset for batch work); KEYS[5] their leases (zset: lease end). ARGV:
 # capacity, refill per second, max wait (s), tenant, caller id, QUEUE_SLOTS, LEASE_GRACE_S, the offset of
-# this caller's place (0 live, BATCH_BEHIND_US batch work). Times are integer microseconds on Redis's
+# this caller's place (0 live, BATCH_BEHIND_SHARE of its wait for batch work). Times are integer µs on Redis's
 # clock. Returns {granted (0/1), wait in microseconds, queued (0/1)}: granted, sleep the wait and call;
 # queued, sleep the wait and ask again with the same caller id; neither, refused (the wait is past the max).
 FAIR_TOKEN_BUCKET_LUA = """
@@ -322,7 +326,8 @@ class RateLimiter:
         while True:
             left = max(0.0, timeout_s - waited)
             granted, wait, queued = self._take_fair(
-                agent, tenant, caller, capacity=capacity, per_second=per_second, max_wait=left, background=background
+                agent, tenant, caller, capacity=capacity, per_second=per_second, max_wait=left, background=background,
+                patience_s=timeout_s,
             )
             if granted:
                 if wait > 0:
@@ -358,10 +363,13 @@ class RateLimiter:
 
     def _take_fair(
         self, agent: str, tenant: str, caller: str, *, capacity: int, per_second: float, max_wait: float,
-        background: bool = False,
+        background: bool = False, patience_s: float = 0.0,
     ) -> tuple[bool, float, bool]:
+        """One ask. ``patience_s``: the caller's whole wait, from which a batch caller's place is set
+        (``BATCH_BEHIND_SHARE``); ``max_wait`` is what is left of it."""
+        behind_us = int(BATCH_BEHIND_SHARE * patience_s * 1_000_000) if background else 0
         args = [capacity, repr(per_second), repr(max_wait), tenant, caller, QUEUE_SLOTS, repr(LEASE_GRACE_S),
-                BATCH_BEHIND_US if background else 0]
+                behind_us]
         try:
             reply: Any = self._fair(keys=self._fair_keys(agent, tenant), args=args)
         except redis.RedisError as exc:

@@ -300,3 +300,31 @@ def test_a_tenants_batch_does_not_double_its_share(agent: str) -> None:
     assert order[:order.index("A")].count("A/batch") < 10, order
     a_turns = [who for who in order[order.index("A"):] if who != "B"]
     assert a_turns[:8] == ["A"] * 8 and "A" not in a_turns[8:], order
+
+
+def test_a_batch_caller_is_overtaken_only_by_live_callers_arriving_within_half_its_wait(agent: str) -> None:
+    """A batch caller's place is its arrival plus half its wait (``BATCH_BEHIND_SHARE``): the tenant's live
+    callers arriving before that go ahead of it, later ones behind it. With an unbounded offset every live
+    arrival went ahead, so a tenant's steady live calls pushed its batch steps back until they were refused
+    and failed (this test's last caller ranked ahead of the batch caller)."""
+    limiter = RateLimiter(url=get_settings().broker_url)
+    _, _, _, queue, _ = limiter._fair_keys(agent, "t")
+    patience_s = 0.6  # a batch caller's place: its arrival plus 0.3 s
+
+    def ask(caller: str, *, background: bool = False) -> tuple[bool, float, bool]:
+        return limiter._take_fair(agent, "t", caller, capacity=1, per_second=1.0, max_wait=30.0,
+                                  background=background, patience_s=patience_s)
+
+    assert [ask(c)[0] for c in ("now", "reserved-1", "reserved-2")] == [True] * 3  # one free, two reserved
+    arrived = redis_now_us(limiter)
+    granted, _, queued = ask("batch", background=True)
+    assert not granted and queued
+    place = limiter.client.zscore(queue, "batch")
+    assert place is not None and place - arrived >= ratelimit.BATCH_BEHIND_SHARE * patience_s * 1e6
+    assert ask("live-early")[2]  # queued, within the batch caller's offset: ahead of it
+    offset_us = ratelimit.BATCH_BEHIND_SHARE * patience_s * 1e6
+    while redis_now_us(limiter) <= arrived + offset_us + 50_000:  # past the batch caller's place, Redis's clock
+        time.sleep(0.05)
+    assert ask("live-late")[2]
+    ranks = {c: limiter.client.zrank(queue, c) for c in ("live-early", "batch", "live-late")}
+    assert ranks == {"live-early": 0, "batch": 1, "live-late": 2}, ranks
