@@ -25,6 +25,10 @@ from conductor.webhooks.targets import UnsafeTarget, check_url
 from conductor.workflow import CONDUCTOR_AGENT, FieldError, WorkflowError, parse_workflow
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from sqlalchemy.sql import Executable
+
     from conductor.quotas import Admission
 
 log = logging.getLogger(__name__)
@@ -238,6 +242,7 @@ def create_job(
     batch_id: str | None = None,
     publishing: bool = False,
     commit: bool = False,
+    then: Callable[[Job], Sequence[tuple[Executable, Mapping[str, Any]]]] | None = None,
 ) -> tuple[Job, bool]:
     """Validates and inserts the job (not yet committed). Returns (job, created); with a repeated
     Idempotency-Key and the same body, the earlier job and False.
@@ -250,7 +255,9 @@ def create_job(
     (``enqueue_plan(job.id, recorded=True)``), so ``enqueued_at`` is written with the row instead of in a
     transaction of its own; should that send fail, ``enqueue_plan`` clears it again.
     ``commit`` (with ``admit``): the insert commits the session's transaction in its own round trip, for a
-    caller that would commit right after (the tenant's lock is then held only while the server works)."""
+    caller that would commit right after (the tenant's lock is then held only while the server works).
+    ``then(job)``: statements inserting rows that belong to the new job, sent with its insert (in the same
+    pipeline under ``admit``: ``store.insert_job_admitted``), so that a commit there commits them too."""
     digest = request_hash(body)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
@@ -283,11 +290,15 @@ def create_job(
         enqueued_at=utcnow() if publishing else None,
     )
     try:
+        companions = then(job) if then is not None else ()
         if admit is None:
             store.insert_job(session, job=job)
+            for statement, params in companions:
+                session.connection().execute(statement, dict(params))
         else:  # the rate first; the in-flight quota is the insert's own condition (it takes the tenant's lock)
             admit.check_rate()
-            if not store.insert_job_admitted(session, job=job, max_in_flight=admit.max_in_flight, commit=commit):
+            if not store.insert_job_admitted(session, job=job, max_in_flight=admit.max_in_flight, commit=commit,
+                                             then=companions):
                 raise admit.refused(session)
     except IntegrityError:
         # Two requests with one key raced; the other one committed first.

@@ -430,7 +430,8 @@ def insert_job(session: Session, *, job: Job) -> None:
     _core(session).execute(_insert_job_stmt(tuple(values)), values)
 
 
-def insert_job_admitted(session: Session, *, job: Job, max_in_flight: int, commit: bool = False) -> bool:
+def insert_job_admitted(session: Session, *, job: Job, max_in_flight: int, commit: bool = False,
+                        then: Sequence[tuple[sa.Executable, Mapping[str, Any]]] = ()) -> bool:
     """``insert_job`` under the tenant's in-flight quota: inserts only while the tenant has fewer than
     ``max_in_flight`` unfinished top-level jobs; False (nothing inserted) when it has that many.
 
@@ -442,16 +443,20 @@ def insert_job_admitted(session: Session, *, job: Job, max_in_flight: int, commi
 
     ``commit``: commits the caller's transaction in the same round trip (``Direct.execute_pipelined``),
     for a caller whose next step would be its commit; the tenant's lock is then never held across a
-    client round trip."""
+    client round trip.
+
+    ``then``: statements of the job's transaction sent after the insert in the same pipeline (rows that
+    belong to the job, e.g. ``store.responses.response_insert``); each must insert nothing when the job's
+    row was not (``WHERE EXISTS`` the job), since they run whether it was admitted or not."""
     values = _job_values(job)
     params = {**values, "p_tenant": job.tenant, "p_max_in_flight": max_in_flight}
     direct = _core(session)
     insert = (_insert_job_admitted_stmt(tuple(values), direct.postgres), params)
     if direct.postgres:
         lock = (_lock_tenant_stmt(), {"p_key": f"conductor-tenant:{job.tenant}"})
-        _, inserted = direct.execute_pipelined([lock, insert], commit=commit)
+        _, inserted, *_ = direct.execute_pipelined([lock, insert, *then], commit=commit)
     else:  # SQLite runs one writer at a time: no lock needed
-        (inserted,) = direct.execute_pipelined([insert], commit=commit)
+        inserted, *_ = direct.execute_pipelined([insert, *then], commit=commit)
     return inserted.first() is not None
 
 

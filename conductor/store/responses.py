@@ -18,9 +18,21 @@ STATE_FIELDS = ("id", "status", "created_at", "finished_at", "answer", "error_ty
 context, pool snapshot or planner output, each of which can be long."""
 
 
-def insert_response(session: Session, *, response: OpenAIResponse) -> None:
-    """Adds the row to the session's transaction: the caller commits it with its job."""
-    session.add(response)
+def response_insert(response: OpenAIResponse) -> tuple[sa.Executable, dict[str, Any]]:
+    """The statement inserting ``response``'s row, for ``create_job(then=...)``: sent in the job's insert
+    pipeline (the tenant's lock is not held across another round trip), it inserts nothing when the job
+    was not (its quota refused it)."""
+    return _response_insert_stmt(), {"p_job_id": response.job_id, "p_model": response.model,
+                                     "p_background": response.background, "p_instructions": response.instructions}
+
+
+@cache
+def _response_insert_stmt() -> sa.Insert:
+    job_id = sa.bindparam("p_job_id", type_=sa.String())
+    row = sa.select(job_id, sa.bindparam("p_model", type_=sa.String()),
+                    sa.bindparam("p_background", type_=sa.Boolean()),
+                    sa.bindparam("p_instructions", type_=sa.Boolean())).where(sa.exists().where(JOB.c.id == job_id))
+    return sa.insert(RESPONSE).from_select(["job_id", "model", "background", "instructions"], row)
 
 
 def get_response(session: Session, *, job_id: str, tenant: str) -> tuple[Job, OpenAIResponse] | None:

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from conductor.quotas import STREAMS_KEY, close_stream, open_stream, refresh_stream
 from conductor.settings import get_settings
 from conductor.store import jobs as store
-from conductor.store.db import session_scope
+from conductor.store.db import get_engine, session_scope
 from conductor.store.keys import revoke_key
 from conductor.store.models import Job, utcnow
 from tests.integration.conftest import new_key
@@ -273,6 +273,45 @@ def test_committing_with_the_insert_releases_the_tenant_at_once() -> None:
             assert store.insert_job_admitted(other, job=second, max_in_flight=2)
     with session_scope() as s:
         assert store.count_jobs_in_flight(s, tenant="onetrip") == 2
+
+
+def test_a_jobs_companion_rows_go_in_its_insert_pipeline_and_only_with_an_admitted_job() -> None:
+    """``then`` statements (a Responses API job's ``openai_response`` row) are sent after the job's insert in
+    its pipeline and committed with it: the tenant's lock is released with no round trip of the client's in
+    between (before, the route added the row with an ORM flush and then committed: two round trips more
+    under that lock). A job the quota refuses gets no companion row."""
+    from conductor.store.models import OpenAIResponse
+    from conductor.store.responses import response_insert
+
+    def job() -> Job:
+        return Job.model_construct(tenant="companion", task="t", pool="default", pool_config={}, planner="x",
+                                   limits={}, meta={}, request_hash="h")
+
+    def row(job_id: str) -> OpenAIResponse:
+        return OpenAIResponse(job_id=job_id, model="conductor", background=True, instructions=False)
+
+    sent: list[str] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(("|" if cursor.connection.pgconn.pipeline_status != 0 else "") + statement.split()[0])
+
+    first, refused = job(), job()
+    engine = get_engine()
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    try:
+        with session_scope() as holder:
+            assert store.insert_job_admitted(holder, job=first, max_in_flight=1, commit=True,
+                                             then=[response_insert(row(first.id))])
+            with session_scope() as other:  # committed, the tenant's lock released, before the holder's end
+                found = other.get(OpenAIResponse, first.id)
+                assert found is not None and found.background
+                assert not store.insert_job_admitted(other, job=refused, max_in_flight=1, commit=True,
+                                                     then=[response_insert(row(refused.id))])
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", capture)
+    assert sent[:3] == ["|SELECT", "|INSERT", "|INSERT"], sent  # the lock, the job, its row: one pipeline
+    with session_scope() as s:
+        assert store.get_job(s, job_id=refused.id) is None and s.get(OpenAIResponse, refused.id) is None
 
 
 def test_a_duplicate_idempotency_key_in_the_pipelined_insert_raises_and_rolls_back() -> None:

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from functools import partial
 from typing import Annotated, Any
@@ -24,6 +24,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from sqlalchemy.sql import Executable
 from sqlmodel import Session
 
 from conductor.chat import ChatJob, ChatRequestError, chat_job, completion, finish_reason, job_ref, model_list, usage
@@ -175,9 +176,10 @@ def _submit(body: ChatCompletionRequest, settings: Settings, tenant: str) -> str
 
 
 def submit_conversation(made: Callable[[], ChatJob], model: str, settings: Settings, tenant: str, *,
-                        also: Callable[[Session, Job], None] | None = None) -> str:
+                        then: Callable[[Job], Sequence[tuple[Executable, Mapping[str, Any]]]] | None = None) -> str:
     """Creates the job ``made()`` describes under the tenant's quotas, commits it and sends its plan; the
-    refusals as OpenAI errors. ``also`` adds rows of its own to the job's transaction."""
+    refusals as OpenAI errors. ``then(job)``: statements adding rows of the job's own, sent and committed with
+    its insert (``create_job(then=...)``: the tenant's lock is never held across another round trip)."""
     from conductor.tasks.send import enqueue_plan
 
     with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
@@ -185,7 +187,7 @@ def submit_conversation(made: Callable[[], ChatJob], model: str, settings: Setti
             conversation = made()
             job, _ = create_job(session, conversation.body, tenant=tenant, settings=settings,
                                 context=conversation.context, admit=admission(tenant, settings), publishing=True,
-                                commit=also is None)
+                                commit=True, then=then)
         except QuotaExceeded as exc:
             raise OpenAIError(429, str(exc), code="rate_limit_exceeded", type="rate_limit_error",
                               headers={"Retry-After": exc.retry_after}) from exc
@@ -196,9 +198,7 @@ def submit_conversation(made: Callable[[], ChatJob], model: str, settings: Setti
                 raise OpenAIError(404, f"The model '{model}' does not exist: {exc}", code="model_not_found",
                                   param="model") from exc
             raise
-        if also is not None:
-            also(session, job)
-        session.commit()  # durable before the message is sent; the reconciler sends it if this send fails
+        session.commit()  # committed with the insert already (no round trip); durable before the message is sent
     enqueue_plan(job.id, recorded=True)
     return job.id
 

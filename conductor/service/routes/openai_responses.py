@@ -44,7 +44,7 @@ from conductor.service.stream_polls import Pace, failure_reason, poll, release_s
 from conductor.settings import Settings
 from conductor.store.db import get_engine
 from conductor.store.models import Job, JobStatus, OpenAIResponse
-from conductor.store.responses import get_response, get_response_state, insert_response
+from conductor.store.responses import get_response, get_response_state, response_insert
 
 router = APIRouter(tags=["openai"])
 
@@ -178,10 +178,8 @@ def list_input_items(
 
 
 def _submit(body: ResponseCreateRequest, settings: Settings, tenant: str) -> str:
-    def add_row(session: Session, job: Job) -> None:
-        insert_response(session, response=response_row(job.id, body))
-
-    return submit_conversation(lambda: response_job(body, settings), body.model, settings, tenant, also=add_row)
+    return submit_conversation(lambda: response_job(body, settings), body.model, settings, tenant,
+                               then=lambda job: [response_insert(response_row(job.id, body))])
 
 
 def _found(response_id: str, tenant: str, settings: Settings, *, whole: bool = False) -> tuple[Job, OpenAIResponse]:
