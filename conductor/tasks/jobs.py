@@ -173,7 +173,12 @@ def _step_to_continue(due: Dispatch, consumed: frozenset[str], settings: Setting
 
 @app.task(name=FINALIZE_TASK, bind=True)
 def finalize(self: Task, job_id: str) -> None:
-    send(finalize_job(job_id))
+    due = finalize_job(job_id)  # committed: what it made due is in the rows
+    try:
+        send(due)
+    except BrokerAway as exc:  # as _send_rest: the reconciler sends it (a step queued, a webhook due)
+        log.warning("job %s: what its finalize made due is not sent yet (broker away: %s); the reconciler sends "
+                    "it", job_id, exc)
 
 
 @app.task(name=RECONCILE_TASK, bind=True)

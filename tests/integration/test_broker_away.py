@@ -125,3 +125,28 @@ def test_a_failed_webhook_attempt_with_the_broker_away_is_left_to_the_reconciler
         assert delivery_id in {d.id for d in due if d.sent_at is None}
     finally:
         get_settings.cache_clear()
+
+
+def test_a_finalize_message_whose_sends_find_the_broker_away_does_not_raise() -> None:
+    """A ``finalize`` message (left on the broker, or a replay's) advances its job; what that made due cannot
+    be sent with the broker away: the task logs and ends (it raised kombu's OperationalError, a traceback for
+    a state the reconciler recovers), and the step it made ready waits queued for the reconciler."""
+    import sqlalchemy as sa
+
+    from conductor.tasks.jobs import finalize
+
+    settings = get_settings()
+    body = {"task": "finalize away", "workflow": {"model_ids": ["a", "a"], "subtasks": ["s0", "s1"],
+                                                  "access_lists": [[], [0]]}}
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate(body), tenant="broker-away", settings=settings)
+    plan_job(job.id, settings=settings)
+    run_step(job.id, 0, worker="test", task_id=None, settings=settings)  # step 1 marked ready with the outcome
+    with session_scope() as s:  # staged: a job whose step 1 a finalize message has still to make ready
+        s.execute(sa.text("UPDATE step SET status = 'pending', queued_at = NULL WHERE job_id = :j AND index = 1"),
+                  {"j": job.id})
+    with broker_away():
+        finalize.run(job.id)  # advances: step 1 ready, its send refused
+    with session_scope() as s:
+        statuses = [st.status for st in store.get_steps(s, job_id=job.id)]
+    assert statuses == ["succeeded", "queued"], statuses
