@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -52,9 +53,15 @@ def plans_pinned(by_thread: dict[str, dict[str, str]]) -> Iterator[None]:
     def pin(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
         settings = by_thread.get(threading.current_thread().name)
         if settings:
-            with dbapi_connection.cursor() as cursor:
-                for name, value in settings.items():
-                    cursor.execute(f"SET LOCAL {name} = {value}")
+            try:
+                with dbapi_connection.cursor() as cursor:
+                    for name, value in settings.items():
+                        cursor.execute(f"SET LOCAL {name} = {value}")
+            except psycopg.OperationalError as exc:
+                # A pooled connection an earlier test left dead (its backend terminated, the server
+                # restarted): the pool opens a fresh one. Raised as is, the error escaped the checkout
+                # unwrapped, past ``transaction``'s retry, and the racer ended before it was staged.
+                raise sa.exc.DisconnectionError(str(exc)) from exc
 
     for e in engines:
         sa.event.listen(e, "checkout", pin)
@@ -65,8 +72,9 @@ def plans_pinned(by_thread: dict[str, dict[str, str]]) -> Iterator[None]:
             sa.event.remove(e, "checkout", pin)
 
 
-def wait_lock_waiters(n: int, timeout: float = 30) -> None:
-    """Until ``n`` backends of this database wait for a lock: a staged race is then really staged."""
+def wait_lock_waiters(n: int, *racers: Racer, timeout: float = 30) -> None:
+    """Until ``n`` backends of this database wait for a lock: a staged race is then really staged. A racer
+    that ended meanwhile fails the test at once, with what it raised (it will never wait)."""
     deadline = time.monotonic() + timeout
     with get_engine().connect() as conn:
         while True:
@@ -75,6 +83,9 @@ def wait_lock_waiters(n: int, timeout: float = 30) -> None:
             conn.rollback()
             if waiting >= n:
                 return
+            ended = {r.name: f"{type(r.raised).__name__}: {r.raised}" if r.raised else "returned"
+                     for r in racers if not r.is_alive()}
+            assert not ended, f"{waiting} backends wait for a lock, not {n}: a racer ended before it waited: {ended}"
             assert time.monotonic() < deadline, f"{waiting} backends wait for a lock, not {n}"
             time.sleep(0.02)
 
@@ -174,9 +185,9 @@ def test_a_heartbeat_and_a_cancel_of_the_job_take_its_running_steps_in_one_order
         cancel = Racer("cancel", lambda: cancel_job(job_id))
         with row_held("step", steps[2][0]):
             beat.start()
-            wait_lock_waiters(1)  # the heartbeat, at step 2
+            wait_lock_waiters(1, beat)  # the heartbeat, at step 2
             cancel.start()
-            wait_lock_waiters(2)  # and the cancel, at step 1 (before the fix) or 0 (now)
+            wait_lock_waiters(2, beat, cancel)  # and the cancel, at step 1 (before the fix) or 0 (now)
         finish(beat, cancel)
     with session_scope() as s:
         job = store.get_job(s, job_id=job_id)
@@ -223,7 +234,7 @@ def test_settling_a_jobs_recursive_steps_and_cancelling_it_take_its_steps_in_one
             settle.start()
             assert paused.wait(30)  # one step settled, the other not yet
             cancel.start()
-            wait_lock_waiters(1)  # the cancel waits: for step 1 (before the fix), for the job row (now)
+            wait_lock_waiters(1, settle, cancel)  # the cancel waits: for step 1 (before the fix), for the job row (now)
             go_on.set()
             finish(settle, cancel)
     finally:
@@ -289,7 +300,7 @@ def test_the_heartbeat_renewing_plannings_and_the_reconciler_re_driving_them_tak
             passing.start()
             assert paused.wait(60)  # one planning re-driven, the other not yet
             beat.start()
-            wait_lock_waiters(1)  # the heartbeat, at a (before the fix, holding b)
+            wait_lock_waiters(1, passing, beat)  # the heartbeat, at a (before the fix, holding b)
             go_on.set()
             finish(passing, beat)
     finally:
@@ -337,9 +348,9 @@ def test_two_reconciler_passes_touching_the_running_jobs_take_them_in_one_order(
     with plans_pinned({"pass 1": SEQUENTIAL, "pass 2": BY_INDEX}), row_held("job", m):
         first, second = Racer("pass 1", touch("pass 1")), Racer("pass 2", touch("pass 2"))
         first.start()
-        wait_lock_waiters(1)  # the first pass, at m
+        wait_lock_waiters(1, first)  # the first pass, at m
         second.start()
-        wait_lock_waiters(2)  # and the second, at h (before the fix) or r (now)
+        wait_lock_waiters(2, first, second)  # and the second, at h (before the fix) or r (now)
     finish(first, second)
     assert all({r, h, m} <= set(ids) for ids in touched.values())
 
@@ -391,7 +402,7 @@ def test_a_reconciler_noting_webhook_resends_and_another_pass_sending_them_take_
         passing.start()
         assert paused.wait(30)  # one delivery noted, the other not yet
         sending.start()
-        wait_lock_waiters(1)
+        wait_lock_waiters(1, passing, sending)
         go_on.set()
         finish(passing, sending)
     finally:
