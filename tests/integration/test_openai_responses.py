@@ -13,7 +13,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
+from conductor.quotas import STREAMS_KEY
+from conductor.settings import get_settings
 from conductor.store.db import session_scope
 from conductor.store.keys import revoke_key
 from tests.integration.conftest import new_key
@@ -242,6 +245,24 @@ def test_refusals_have_the_openai_shape_and_say_what_to_do(oai: openai.OpenAI, h
     assert resumed.value.param == "stream"
     r = http.post("/v1/responses", json={"model": "conductor", "input": "x", "previous_response_id": done.id})
     assert r.status_code == 400 and set(r.json()) == {"error"}
+
+
+def test_a_stream_refused_at_submission_gives_its_slot_back(api: str, workers: Any) -> None:
+    """A stream takes one of the tenant's stream slots before its job is submitted (``submit_holding_slot``,
+    shared by chat and responses); a submission refused (here: an unknown model, 404) gives it back at
+    once rather than leaving it to expire, for both routes."""
+    tenant = "responses-refused-stream"
+    slots = redis.Redis.from_url(get_settings().broker_url)
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=new_key(tenant), max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model="gpt-5", input="x", stream=True)
+        assert slots.zrange(STREAMS_KEY + tenant, 0, -1) == []
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}], stream=True)
+        assert slots.zrange(STREAMS_KEY + tenant, 0, -1) == []
+        events = list(client.responses.create(model="conductor", input="x", stream=True))  # one admitted: held
+    assert events[-1].type == "response.completed"
+    assert slots.zrange(STREAMS_KEY + tenant, 0, -1) == []  # and given back when it ended
 
 
 def test_a_response_outlasting_the_wait_is_a_504_and_goes_on(proc_env: dict[str, str], key: str,

@@ -6,7 +6,7 @@ request holds no database connection. A client that disconnects leaves the job r
 the ``Conductor-Job-Id`` header, and ``GET /v1/jobs/{id}`` has the answer.
 
 The Responses API (``openai_responses.py``) submits, waits and streams with the public functions here
-(``submit_conversation``, ``wait_for_job``, ``read_progress``, ``held_stream``, …).
+(``submit_conversation``, ``submit_holding_slot``, ``wait_for_job``, ``read_progress``, ``held_stream``, …).
 """
 
 from __future__ import annotations
@@ -113,13 +113,7 @@ async def chat_completions(
     key = bearer_key(settings, authorization)  # looked up again every KEY_CHECK_S: revoking it ends the wait
     if not body.stream:
         return await _answer(body, response, settings, tenant, key)
-    slot = uuid.uuid4().hex  # a stream takes one of the tenant's stream slots, as job event streams do
-    await run_in_threadpool(open_stream, tenant, slot, settings)
-    try:
-        job_id = await run_in_threadpool(_submit, body, settings, tenant)
-    except BaseException:
-        await release_slot(tenant, slot, settings)
-        raise
+    job_id, slot = await submit_holding_slot(partial(_submit, body, settings, tenant), tenant, settings)
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return StreamingResponse(
         held_stream(_stream(job_id, body.model, settings, key, include_usage=include_usage), job_id, tenant, slot,
@@ -127,6 +121,21 @@ async def chat_completions(
         media_type="text/event-stream",
         headers={JOB_HEADER: job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def submit_holding_slot(submit: Callable[[], str], tenant: str, settings: Settings) -> tuple[str, str]:
+    """A stream's submission: takes one of the tenant's stream slots (as job event streams do), then runs
+    ``submit`` (in the thread pool: it commits the job); the job's id and the slot, which ``held_stream``
+    then holds. The slot is taken first so that a tenant at its stream limit is refused before a job
+    exists; a submission that fails (a quota, a refused request) gives the slot back at once."""
+    slot = uuid.uuid4().hex
+    await run_in_threadpool(open_stream, tenant, slot, settings)
+    try:
+        job_id = await run_in_threadpool(submit)
+    except BaseException:
+        await release_slot(tenant, slot, settings)
+        raise
+    return job_id, slot
 
 
 async def _answer(body: ChatCompletionRequest, response: Response, settings: Settings, tenant: str,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncGenerator, Iterator
 from functools import partial
 from typing import Annotated, Any, Literal
@@ -24,7 +23,6 @@ from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
 from conductor.openai_wire import InputItemList, ResponseCreateRequest, ResponseObject
-from conductor.quotas import open_stream
 from conductor.responses import input_items, response_job, response_object, response_row
 from conductor.service.deps import JOB_ID_RE, SettingsDep, bearer_key
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
@@ -37,10 +35,11 @@ from conductor.service.routes.openai_chat import (
     held_stream,
     read_progress,
     submit_conversation,
+    submit_holding_slot,
     wait_failed_message,
     wait_for_job,
 )
-from conductor.service.stream_polls import Pace, failure_reason, poll, release_slot
+from conductor.service.stream_polls import Pace, failure_reason, poll
 from conductor.settings import Settings
 from conductor.store.db import get_engine
 from conductor.store.models import Job, JobStatus, OpenAIResponse
@@ -95,13 +94,7 @@ async def create_response(
                               headers=headers) from exc
         response.headers[JOB_HEADER] = job_id
         return answer
-    slot = uuid.uuid4().hex  # a stream takes one of the tenant's stream slots, as chat streams do
-    await run_in_threadpool(open_stream, tenant, slot, settings)
-    try:
-        job_id = await run_in_threadpool(_submit, body, settings, tenant)
-    except BaseException:
-        await release_slot(tenant, slot, settings)
-        raise
+    job_id, slot = await submit_holding_slot(partial(_submit, body, settings, tenant), tenant, settings)
     events = ResponseEvents(job_id, tenant, settings, key)
     return StreamingResponse(
         held_stream(events.stream(), job_id, tenant, slot, settings, lapsed=events.lapsed),
