@@ -19,6 +19,8 @@ MAX_CHAT_MESSAGES = 512
 MAX_CONTENT_PARTS = 64
 MAX_METADATA_PAIRS = 16
 MAX_MODEL_CHARS = 256
+MAX_RESPONSE_ID_CHARS = 64
+"""A ``previous_response_id`` longer than this is no response's (a response's id is its job's, 32 hex digits)."""
 
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -211,6 +213,9 @@ class ResponseCreateRequest(BaseModel):
     metadata: Metadata | None = Field(
         default=None, max_length=MAX_METADATA_PAIRS, description="Stored as the job's metadata."
     )
+    previous_response_id: str | None = Field(
+        default=None, max_length=MAX_RESPONSE_ID_CHARS,
+        description="Continue that response: its input and answer come before this input (not its instructions).")
     # Accepted for compatibility, not used (each step runs with its agent's own settings).
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -329,6 +334,7 @@ class ResponseObject(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     background: bool
     completed_at: int | None = None
+    previous_response_id: str | None = None
     store: Literal[True] = True
     max_output_tokens: None = None
     parallel_tool_calls: bool = False

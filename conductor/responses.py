@@ -13,6 +13,7 @@ from typing import Any, Literal
 from conductor.chat import ChatJob, ChatRequestError, conversation_job, job_ref
 from conductor.errors import ErrorType
 from conductor.openai_wire import (
+    MAX_CHAT_MESSAGES,
     IncompleteDetails,
     OutputMessage,
     OutputText,
@@ -39,23 +40,63 @@ _RATE_LIMITED = {ErrorType.RATE_LIMITED, ErrorType.RATE_LIMIT_TIMEOUT}
 """Job error types told as ``rate_limit_exceeded``; every other is a ``server_error`` (its type says which)."""
 
 
-def response_job(request: ResponseCreateRequest, settings: Settings) -> ChatJob:
+def response_job(request: ResponseCreateRequest, settings: Settings,
+                 previous: tuple[Job, OpenAIResponse] | None = None) -> ChatJob:
     """The job a response request asks for: the input's last message (a user message; a string input is
     one) is the task, the instructions and the earlier messages its context. ``store: false`` is refused:
-    every response is a job, kept with its steps for audit and read back by id."""
+    every response is a job, kept with its steps for audit and read back by id.
+
+    ``previous`` (the whole rows of ``previous_response_id``'s response, a completed or incomplete one):
+    its input items and its answer come first, before this input, as OpenAI chains responses; its
+    instructions do not (OpenAI documents that they are not carried over: a new request sends its own).
+    The whole conversation is held to the limits of one request's input (``MAX_CHAT_MESSAGES`` items,
+    ``max_task_chars`` characters with the instructions), so a chain cannot grow a job past them."""
     if request.store is False:
         raise ChatRequestError(
             "store=false cannot be honoured: every response is a job, stored with its steps and read back "
             "with GET /v1/responses/{id}; omit store or set it to true",
             param="store", code="unsupported_parameter",
         )
-    return conversation_job(request.model, request.turns(), request.metadata, settings, param="input",
+    turns = request.turns()
+    if previous is not None:
+        carried = continued_turns(*previous)
+        turns = [*carried, *turns]
+        _check_chain(turns, len(carried), previous[0].id, request.instructions, settings)
+    return conversation_job(request.model, turns, request.metadata, settings, param="input",
                             system=request.instructions)
+
+
+def _check_chain(turns: list[tuple[str, str]], carried: int, previous_id: str, instructions: str | None,
+                 settings: Settings) -> None:
+    """Refuses a continued conversation past one request's input limits, saying how much the chain brought."""
+    chars = sum(len(text) for _, text in turns) + len(instructions or "")
+    carried_chars = sum(len(text) for _, text in turns[:carried])
+    if len(turns) > MAX_CHAT_MESSAGES:
+        over = (f"{len(turns)} items ({carried} of them from previous response {previous_id}); the limit is "
+                f"{MAX_CHAT_MESSAGES}")
+    elif chars > settings.max_task_chars:
+        over = (f"{chars} characters with the instructions ({carried_chars} of them from previous response "
+                f"{previous_id}); the limit is {settings.max_task_chars} (CONDUCTOR_MAX_TASK_CHARS)")
+    else:
+        return
+    raise ChatRequestError(
+        f"the conversation continued from previous_response_id would have {over}: start a new conversation "
+        f"(without previous_response_id), sending in input only what it needs",
+        param="previous_response_id", code="context_length_exceeded",
+    )
+
+
+def continued_turns(job: Job, row: OpenAIResponse) -> list[tuple[str, str]]:
+    """What a response continuing this one (``previous_response_id``) begins with: this response's input
+    items (its own chain's included: they lead its context), then its answer as an assistant turn."""
+    return [*((item["role"], item["content"][0]["text"]) for item in input_items(job, row)),
+            ("assistant", job.answer or "")]
 
 
 def response_row(job_id: str, request: ResponseCreateRequest) -> OpenAIResponse:
     return OpenAIResponse(job_id=job_id, model=request.model, background=bool(request.background),
-                          instructions=bool(request.instructions))
+                          instructions=bool(request.instructions),
+                          previous_response_id=request.previous_response_id)
 
 
 def response_status(job: Job, answer_finish_reason: str | None = None) -> ResponseStatus:
@@ -93,6 +134,7 @@ def response_object(job: Job, row: OpenAIResponse, answer_finish_reason: str | N
         metadata=dict(getattr(job, "meta", None) or {}),
         background=row.background,
         completed_at=int(job.finished_at.timestamp()) if status == "completed" and job.finished_at else None,
+        previous_response_id=row.previous_response_id,
         conductor=job_ref(job),
     )
 
@@ -116,7 +158,10 @@ def instructions(job: Job, row: OpenAIResponse) -> str | None:
 
 def input_items(job: Job, row: OpenAIResponse) -> list[dict[str, Any]]:
     """The input's messages, in order, as OpenAI lists them (the instructions are not an input item; a
-    developer message reads back as a system message, as the job's context holds it)."""
+    developer message reads back as a system message, as the job's context holds it). A response that
+    continues another (``previous_response_id``) lists the whole conversation, as OpenAI does (the items
+    used to generate it): the previous responses' inputs and answers, then its own input; each item's id
+    is this response's (``msg_<id>_in<n>``)."""
     context = list(job.context or [])[1 if row.instructions else 0:]
     turns = [(str(m["role"]), str(m["content"])) for m in context] + [("user", job.task)]
     return [_item(f"{message_id(job.id)}_in{n}", role, text) for n, (role, text) in enumerate(turns)]

@@ -344,6 +344,9 @@ class OpenAIResponse(SQLModel, table=True):
     background: bool
     instructions: bool
     """Whether the request had ``instructions``: they are then the first message of the job's ``context``."""
+    previous_response_id: str | None = Field(default=None, max_length=64)
+    """The response this one continues (``previous_response_id``): its input and answer lead this job's
+    context (after the instructions). Not a foreign key: adding one would lock ``job`` (0022)."""
 
 
 class TenantSettings(SQLModel, table=True):

@@ -23,7 +23,8 @@ def response_insert(response: OpenAIResponse) -> tuple[sa.Executable, dict[str, 
     pipeline (the tenant's lock is not held across another round trip), it inserts nothing when the job
     was not (its quota refused it)."""
     return _response_insert_stmt(), {"p_job_id": response.job_id, "p_model": response.model,
-                                     "p_background": response.background, "p_instructions": response.instructions}
+                                     "p_background": response.background, "p_instructions": response.instructions,
+                                     "p_previous": response.previous_response_id}
 
 
 @cache
@@ -31,8 +32,10 @@ def _response_insert_stmt() -> sa.Insert:
     job_id = sa.bindparam("p_job_id", type_=sa.String())
     row = sa.select(job_id, sa.bindparam("p_model", type_=sa.String()),
                     sa.bindparam("p_background", type_=sa.Boolean()),
-                    sa.bindparam("p_instructions", type_=sa.Boolean())).where(sa.exists().where(JOB.c.id == job_id))
-    return sa.insert(RESPONSE).from_select(["job_id", "model", "background", "instructions"], row)
+                    sa.bindparam("p_instructions", type_=sa.Boolean()),
+                    sa.bindparam("p_previous", type_=sa.String())).where(sa.exists().where(JOB.c.id == job_id))
+    return sa.insert(RESPONSE).from_select(["job_id", "model", "background", "instructions", "previous_response_id"],
+                                           row)
 
 
 def get_response(session: Session, *, job_id: str, tenant: str) -> tuple[Job, OpenAIResponse] | None:
@@ -53,9 +56,10 @@ def get_response_state(session: Session, *, job_id: str, tenant: str) -> tuple[J
     if row is None:
         return None
     fields: dict[str, Any] = dict(zip(STATE_FIELDS, row[:len(STATE_FIELDS)], strict=True))
-    model, background, instructions, first = row[len(STATE_FIELDS):]
+    model, background, instructions, previous, first = row[len(STATE_FIELDS):]
     job = Job.model_construct(**fields, context=[first] if instructions and first is not None else None)
-    return job, OpenAIResponse(job_id=job.id, model=model, background=background, instructions=instructions)
+    return job, OpenAIResponse(job_id=job.id, model=model, background=background, instructions=instructions,
+                               previous_response_id=previous)
 
 
 @cache
@@ -63,7 +67,7 @@ def _state_stmt() -> sa.Select[Any]:
     j, r = JOB.c, RESPONSE.c
     columns = [j["metadata"] if name == "meta" else j[name] for name in STATE_FIELDS]
     first = sa.case((r.instructions, j.context[0]), else_=sa.null())
-    return (sa.select(*columns, r.model, r.background, r.instructions, first)
+    return (sa.select(*columns, r.model, r.background, r.instructions, r.previous_response_id, first)
             .select_from(JOB.join(RESPONSE, r.job_id == j.id))
             .where(j.id == sa.bindparam("p_job_id", type_=sa.String()),
                    j.tenant == sa.bindparam("p_tenant", type_=sa.String())))

@@ -136,6 +136,83 @@ def test_the_stream_sends_the_sdks_event_sequence(oai: openai.OpenAI, http: http
     assert accumulated.output_text == http.get(f"/v1/jobs/{accumulated.id}").json()["answer"] != ""
 
 
+def test_previous_response_id_continues_the_conversation(oai: openai.OpenAI, http: httpx.Client) -> None:
+    """As OpenAI chains responses: the new response's job sees the previous response's input and answer
+    before its own input, and not the previous instructions (OpenAI does not carry them over); a third
+    response sees the whole chain. Its input items are the whole conversation (the items used to generate
+    it, as OpenAI lists them)."""
+    first = oai.responses.create(model="conductor", input="What is 6 x 7?", instructions="Answer in French.")
+    second = oai.responses.create(model="conductor", input="And times 2?", previous_response_id=first.id,
+                                  instructions="Be brief.")
+    assert second.status == "completed" and second.previous_response_id == first.id
+    assert second.instructions == "Be brief." and first.previous_response_id is None
+    assert oai.responses.retrieve(second.id).previous_response_id == first.id
+    job = http.get(f"/v1/jobs/{second.id}").json()
+    assert job["task"] == "And times 2?" and second.output_text == job["answer"]
+    # What the worker's provider call was sent (the step's recorded messages): the earlier turn, then the task.
+    messages = http.get(f"/v1/jobs/{second.id}/steps").json()["data"][0]["messages"]
+    assert messages[1:4] == [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "What is 6 x 7?"},
+                             {"role": "assistant", "content": first.output_text}]
+    assert not any("Answer in French." in m["content"] for m in messages)
+    items = oai.responses.input_items.list(second.id, order="asc")
+    assert [(i.role, i.content[0].text) for i in items.data] == [  # type: ignore[union-attr]
+        ("user", "What is 6 x 7?"), ("assistant", first.output_text), ("user", "And times 2?")]
+
+    streamed = list(oai.responses.create(model="conductor", input="And minus 1?", previous_response_id=second.id,
+                                         stream=True))
+    third = streamed[-1].response  # type: ignore[union-attr]
+    assert streamed[-1].type == "response.completed" and third.previous_response_id == second.id
+    messages = http.get(f"/v1/jobs/{third.id}/steps").json()["data"][0]["messages"]
+    assert messages[1:5] == [{"role": "user", "content": "What is 6 x 7?"},
+                             {"role": "assistant", "content": first.output_text},
+                             {"role": "user", "content": "And times 2?"},
+                             {"role": "assistant", "content": second.output_text}]
+
+
+def test_previous_response_id_must_be_a_completed_response_of_the_tenant(oai: openai.OpenAI, api: str,
+                                                                          http: httpx.Client) -> None:
+    done = oai.responses.create(model="conductor", input="mine")
+    chat = oai.chat.completions.create(model="conductor", messages=[{"role": "user", "content": "x"}])
+    with (openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("tenant-responses-other"), max_retries=0) as other,
+          pytest.raises(openai.NotFoundError) as theirs):
+        other.responses.create(model="conductor", input="y", previous_response_id=done.id)
+    for unknown in (theirs, *(_refused(oai, openai.NotFoundError, previous) for previous in (chat.id, "nope"))):
+        assert unknown.value.code == "previous_response_not_found"
+        assert unknown.value.param == "previous_response_id"
+    running = oai.responses.create(model="conductor/slow", input="z", background=True)
+    waiting = _refused(oai, openai.BadRequestError, running.id)
+    assert waiting.value.param == "previous_response_id" and waiting.value.code == "previous_response_not_completed"
+    assert "wait for it to end" in waiting.value.message
+    oai.responses.cancel(running.id)
+    cancelled = _refused(oai, openai.BadRequestError, running.id)
+    assert "is cancelled" in cancelled.value.message and "no answer" in cancelled.value.message
+    assert http.get("/v1/jobs", params={"meta_key": "chained", "meta_value": "refused"}).json()["data"] == []
+
+
+def _refused(oai: openai.OpenAI, error: type[openai.APIStatusError], previous: str) -> Any:
+    with pytest.raises(error) as refused:
+        oai.responses.create(model="conductor", input="y", previous_response_id=previous,
+                             metadata={"chained": "refused"})
+    return refused
+
+
+def test_a_chain_is_held_to_the_input_limit(proc_env: dict[str, str], key: str, workers: Any) -> None:
+    """The whole conversation a chain builds counts against CONDUCTOR_MAX_TASK_CHARS, as one input does:
+    each turn fits, the continued conversation would not, and the refusal says what the chain brought."""
+    proc, url = start_api({**proc_env, "CONDUCTOR_MAX_TASK_CHARS": "400"})
+    try:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+            first = client.responses.create(model="conductor", input="a" * 250)
+            assert first.status == "completed"
+            with pytest.raises(openai.BadRequestError) as long:
+                client.responses.create(model="conductor", input="b" * 150, previous_response_id=first.id)
+    finally:
+        proc.stop()
+    assert long.value.code == "context_length_exceeded" and long.value.param == "previous_response_id"
+    assert f"from previous response {first.id}" in long.value.message and "the limit is 400" in long.value.message
+
+
 @pytest.fixture(scope="module")
 def failing_api(proc_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """An API whose default pool has one agent, whose every call fails: its jobs fail at their step."""
@@ -243,7 +320,7 @@ def test_refusals_have_the_openai_shape_and_say_what_to_do(oai: openai.OpenAI, h
     with pytest.raises(openai.BadRequestError) as resumed:
         oai.responses.retrieve(done.id, stream=True)
     assert resumed.value.param == "stream"
-    r = http.post("/v1/responses", json={"model": "conductor", "input": "x", "previous_response_id": done.id})
+    r = http.post("/v1/responses", json={"model": "conductor", "input": "x", "conversation": "conv_1"})
     assert r.status_code == 400 and set(r.json()) == {"error"}
 
 

@@ -147,7 +147,8 @@ def test_the_input_shapes_the_sdk_sends_are_taken_in_order() -> None:
     {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
     {"input": "x", "tools": [{"type": "web_search"}]},
-    {"input": "x", "previous_response_id": "resp_1"},
+    {"input": "x", "conversation": "conv_1"},
+    {"input": "x", "previous_response_id": "r" * 65},
     {"input": []},
 ])
 def test_what_a_job_cannot_hold_is_refused(body: dict[str, Any]) -> None:
@@ -179,6 +180,30 @@ def test_store_false_and_a_last_turn_not_the_users_are_refused_naming_the_field(
     with pytest.raises(ChatRequestError) as refused:
         response_job(last, Settings())
     assert refused.value.param == "input.1"  # its place in the input, the instructions not counted
+
+
+def test_a_continued_response_begins_with_the_previous_input_and_answer_not_its_instructions() -> None:
+    from conductor.chat import ChatRequestError
+
+    previous = _job("succeeded", context=[{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    request = ResponseCreateRequest(model="conductor", input="And times 2?", instructions="Metric units.",
+                                    previous_response_id=previous.id)
+    job = response_job(request, Settings(), (previous, ROW))
+    assert job.body.task == "And times 2?"
+    assert job.context == [{"role": "system", "content": "Metric units."}, {"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "4"}, {"role": "user", "content": "What is 6 x 7?"},
+                           {"role": "assistant", "content": "42"}]
+    # The chain is held to one input's item limit (512): 510 earlier turns, the previous task and answer, this one.
+    long = _job("succeeded", context=[{"role": "user", "content": f"turn {n}"} for n in range(510)])
+    no_instructions = OpenAIResponse(job_id="0" * 32, model="conductor", background=False, instructions=False)
+    with pytest.raises(ChatRequestError) as refused:
+        response_job(request, Settings(), (long, no_instructions))
+    assert refused.value.param == "previous_response_id" and refused.value.code == "context_length_exceeded"
+    assert f"513 items (512 of them from previous response {long.id}); the limit is 512" in str(refused.value)
+    fits = ResponseCreateRequest(model="conductor", input="And times 2?")
+    assert len(response_job(fits, Settings(), (_job("succeeded", context=long.context[1:]), no_instructions))
+               .context) == 511
 
 
 def test_the_lean_state_read_is_the_whole_rows_on_sqlite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

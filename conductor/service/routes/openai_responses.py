@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
 from conductor.openai_wire import InputItemList, ResponseCreateRequest, ResponseObject
-from conductor.responses import input_items, response_job, response_object, response_row
+from conductor.responses import input_items, response_job, response_object, response_row, response_status
 from conductor.service.deps import JOB_ID_RE, SettingsDep, bearer_key
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
 from conductor.service.routes.openai_chat import (
@@ -171,8 +171,35 @@ def list_input_items(
 
 
 def _submit(body: ResponseCreateRequest, settings: Settings, tenant: str) -> str:
-    return submit_conversation(lambda: response_job(body, settings), body.model, settings, tenant,
+    previous = None if body.previous_response_id is None else _previous(body.previous_response_id, tenant, settings)
+    return submit_conversation(lambda: response_job(body, settings, previous), body.model, settings, tenant,
                                then=lambda job: [response_insert(response_row(job.id, body))])
+
+
+def _previous(response_id: str, tenant: str, settings: Settings) -> tuple[Job, OpenAIResponse]:
+    """``previous_response_id``'s response (the whole rows: its input and answer are carried over), the
+    tenant's and made by this API; 404 otherwise. One that has not ended completed (or incomplete) is
+    400: it has no answer to continue from, yet or at all."""
+    found = None
+    if JOB_ID_RE.fullmatch(response_id):
+        with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
+            found = get_response(session, job_id=response_id, tenant=tenant)
+    if found is None:
+        shown = response_id if JOB_ID_RE.fullmatch(response_id) else "(malformed id)"
+        raise OpenAIError(404, f"previous response {shown} not found for this API key (a job made by POST /v1/jobs, "
+                          f"chat completions or a batch is not a response); send the conversation in input instead",
+                          code="previous_response_not_found", param="previous_response_id")
+    job, _ = found
+    if job.status != JobStatus.SUCCEEDED:
+        status = response_status(job)
+        then = (f"wait for it to end (poll GET /v1/responses/{job.id}), then send this request again"
+                if status in ("queued", "in_progress") else
+                "it has no answer to continue from: continue from an earlier response, or send the conversation "
+                "in input")
+        raise OpenAIError(400, f"previous response {job.id} is {status}: only a completed (or incomplete) response "
+                          f"can be continued; {then}", code="previous_response_not_completed",
+                          param="previous_response_id")
+    return found
 
 
 def _found(response_id: str, tenant: str, settings: Settings, *, whole: bool = False) -> tuple[Job, OpenAIResponse]:
