@@ -28,7 +28,7 @@ from conductor.openai_wire import (
 from conductor.pool.config import PoolConfig, template_refs
 from conductor.settings import Settings
 from conductor.store.models import Job
-from conductor.submission import MAX_PLANNER_CHARS, JobCreate
+from conductor.submission import MAX_PLANNER_CHARS, JobCreate, Limits
 from conductor.workflow import CONDUCTOR_AGENT
 
 MODEL_PREFIX = f"{CONDUCTOR_AGENT}/"
@@ -69,15 +69,19 @@ def planner_for_model(model: str) -> str:
 def chat_job(request: ChatCompletionRequest, settings: Settings) -> ChatJob:
     """The job a chat request asks for; refuses conversations that do not end with a user turn."""
     turns = [(m.role, m.text()) for m in request.messages]
-    return conversation_job(request.model, turns, request.metadata, settings, param="messages")
+    cap = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    return conversation_job(request.model, turns, request.metadata, settings, param="messages",
+                            max_answer_tokens=cap)
 
 
 def conversation_job(model: str, turns: Sequence[tuple[str, str]], metadata: dict[str, str] | None,
-                     settings: Settings, *, param: str, system: str | None = None) -> ChatJob:
+                     settings: Settings, *, param: str, system: str | None = None,
+                     max_answer_tokens: int | None = None) -> ChatJob:
     """The job a conversation of (role, text) turns asks for, chat's or a response's (``param``: where the
     turns are in the request, for errors): the last turn, a user turn, is the task; the others, in order,
     its context (developer turns as system turns, empty turns left out), after ``system`` if given (a
-    response's ``instructions``)."""
+    response's ``instructions``). ``max_answer_tokens`` (chat's ``max_completion_tokens``/``max_tokens``,
+    a response's ``max_output_tokens``) caps the answering step's output (``limits.max_answer_tokens``)."""
     planner = planner_for_model(model)
     last_role, task = turns[-1]
     if last_role != "user" or not task.strip():
@@ -101,6 +105,7 @@ def conversation_job(model: str, turns: Sequence[tuple[str, str]], metadata: dic
             task=task,
             planner=None if planner == CONDUCTOR_AGENT else planner,
             metadata=dict(metadata or {}),
+            limits=Limits(max_answer_tokens=max_answer_tokens),
         )
     except ValidationError as exc:  # what the chat request admits and a job does not (a planner name too long)
         first = exc.errors()[0]

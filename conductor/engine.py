@@ -279,7 +279,8 @@ def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], roots
             visible = [(rows[d]["instruction"], rows[d]["output"] or "") for d in sorted(row["access_list"])]
             step_input = store.StepInput(
                 JobStatus.RUNNING, job.task, job.context, limits, job.pool_config or {}, job.created_at, tokens, cost,
-                row["agent"], row["instruction"], list(row["access_list"]), job.tenant, unstarted, visible)
+                row["agent"], row["instruction"], list(row["access_list"]), job.tenant, unstarted, visible,
+                answers=i == len(rows) - 1)
             rendered = _render(step_input, job.id, now)
             owner = _owner(take.worker if not claims else take.beside or take.worker)
             row.update(status=StepStatus.RUNNING, lease_owner=owner, started_at=now, celery_task_id=take.task_id,
@@ -526,6 +527,8 @@ def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
         check_deadline(row.limits, row.created_at, now)
         if recursive:
             remaining_limits = child_limits(row.limits, row.created_at, spent, now, shares=row.unstarted)
+            if not row.answers:  # the child's answer is not the job's: its last step keeps its agent's cap
+                remaining_limits.pop("max_answer_tokens", None)
             held = child_reservation(remaining_limits)
             values.update(reserved_usd=held.cost_usd, reserved_tokens=held.tokens)
         else:
@@ -533,7 +536,7 @@ def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
             values.update(provider=config.provider, model=config.model or f"sim-{row.agent}")
             prompt_tokens = sum(estimate_tokens(m.content) for m in messages)
             max_tokens = allowed_output_tokens(
-                row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=config.max_tokens, price=config.price
+                row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=_step_cap(row, config), price=config.price
             )
             held = step_reservation(row.limits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, price=config.price)
             values.update(reserved_usd=held.cost_usd, reserved_tokens=held.tokens)
@@ -541,6 +544,14 @@ def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
         refusal = exc
         values.update(RELEASED)
     return _Rendered(recursive, visible, inherited, messages, values, config, max_tokens, remaining_limits, refusal)
+
+
+def _step_cap(row: store.StepInput, config: AgentConfig) -> int:
+    """The most a step may write before the job's budgets: its agent's ``max_tokens``, and for the answering
+    step the job's ``max_answer_tokens`` if lower (a client's cap on the answer: the OpenAI routes'
+    ``max_output_tokens``). A cut answer stops with ``length``, which the routes tell (incomplete)."""
+    cap = row.limits.get("max_answer_tokens")
+    return min(config.max_tokens, int(cap)) if row.answers and cap is not None else config.max_tokens
 
 
 def _claim(

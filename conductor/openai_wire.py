@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from conductor.submission import unstorable
+from conductor.submission import MAX_LIMIT_TOKENS, unstorable
 
 MAX_CHAT_MESSAGES = 512
 MAX_CONTENT_PARTS = 64
@@ -79,11 +79,14 @@ class ChatCompletionRequest(BaseModel):
     )
     n: Literal[1] | None = None
     user: str | None = Field(default=None, max_length=512)
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_LIMIT_TOKENS,
+        description="Caps the answer: the answering step's output (the job's `limits.max_answer_tokens`).")
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_LIMIT_TOKENS,
+                                   description="As `max_completion_tokens`, which wins when both are sent.")
     # Accepted for compatibility, not used (each step runs with its agent's own settings).
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     seed: int | None = None
@@ -216,8 +219,10 @@ class ResponseCreateRequest(BaseModel):
     previous_response_id: str | None = Field(
         default=None, max_length=MAX_RESPONSE_ID_CHARS,
         description="Continue that response: its input and answer come before this input (not its instructions).")
+    max_output_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_LIMIT_TOKENS,
+        description="Caps the answer: the answering step's output (the job's `limits.max_answer_tokens`).")
     # Accepted for compatibility, not used (each step runs with its agent's own settings).
-    max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     user: str | None = Field(default=None, max_length=512)
@@ -336,7 +341,8 @@ class ResponseObject(BaseModel):
     completed_at: int | None = None
     previous_response_id: str | None = None
     store: Literal[True] = True
-    max_output_tokens: None = None
+    max_output_tokens: int | None = None
+    """As asked: the cap on the answering step's output (``limits.max_answer_tokens``)."""
     parallel_tool_calls: bool = False
     temperature: None = None
     top_p: None = None

@@ -63,7 +63,7 @@ def response_job(request: ResponseCreateRequest, settings: Settings,
         turns = [*carried, *turns]
         _check_chain(turns, len(carried), previous[0].id, request.instructions, settings)
     return conversation_job(request.model, turns, request.metadata, settings, param="input",
-                            system=request.instructions)
+                            system=request.instructions, max_answer_tokens=request.max_output_tokens)
 
 
 def _check_chain(turns: list[tuple[str, str]], carried: int, previous_id: str, instructions: str | None,
@@ -135,6 +135,7 @@ def response_object(job: Job, row: OpenAIResponse, answer_finish_reason: str | N
         background=row.background,
         completed_at=int(job.finished_at.timestamp()) if status == "completed" and job.finished_at else None,
         previous_response_id=row.previous_response_id,
+        max_output_tokens=(getattr(job, "limits", None) or {}).get("max_answer_tokens"),
         conductor=job_ref(job),
     )
 

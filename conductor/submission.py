@@ -54,6 +54,9 @@ class Limits(BaseModel):
     max_depth: int | None = Field(default=None, ge=0, le=5)
     max_cost_usd: float | None = Field(default=None, gt=0, le=MAX_LIMIT_COST_USD, allow_inf_nan=False)
     max_tokens: int | None = Field(default=None, gt=0, le=MAX_LIMIT_TOKENS)
+    max_answer_tokens: int | None = Field(default=None, gt=0, le=MAX_LIMIT_TOKENS)
+    """The answering step's (the last step's) output cap, below its agent's ``max_tokens``: the OpenAI
+    routes' ``max_output_tokens`` / ``max_completion_tokens``. Other steps and the planner keep theirs."""
     deadline_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
 
 

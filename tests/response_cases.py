@@ -18,7 +18,8 @@ def check_the_lean_read_is_the_whole_rows() -> None:
                {"role": "assistant", "content": "4"}]
     cases = [  # (job fields, whether the context begins with instructions[, the response it continues])
         ({"status": "running", "context": context, "meta": {"team": "x", "n": "1"}}, True),
-        ({"status": "succeeded", "context": context, "answer": "36", "finished_at": utcnow()}, True,
+        ({"status": "succeeded", "context": context, "answer": "36", "finished_at": utcnow(),
+          "limits": {"max_answer_tokens": 4}}, True,
          uuid.uuid4().hex),
         ({"status": "succeeded", "context": context, "answer": "12", "input_tokens": 7, "output_tokens": 3,
           "cost_usd": 0.5, "calls": 2, "finished_at": utcnow()}, False),

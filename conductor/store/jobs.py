@@ -755,6 +755,8 @@ class StepInput:
     """(subtask, answer) of each step on the access list, in step order."""
     background: bool = False
     """The job is batch work (``batch_work_of``): a child job it starts is too."""
+    answers: bool = False
+    """This is the job's last step: its output is the job's answer (``limits.max_answer_tokens`` caps it)."""
 
 
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
@@ -768,11 +770,12 @@ def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput |
         return None
     access_list = list(row[10] or [])
     if direct.postgres:
-        visible = [(subtask, answer or "") for subtask, answer in row[14] or []]
+        visible = [(subtask, answer or "") for subtask, answer in row[15] or []]
     else:
         visible = visible_outputs(session, job_id=job_id, indices=access_list)
     return StepInput(row[0], row[1], row[2], row[3] or {}, row[4] or {}, row[5], int(row[6]), float(row[7]),
-                     row[8], row[9], access_list, row[11], int(row[12]), visible, bool(row[13]))
+                     row[8], row[9], access_list, row[11], int(row[12]), visible, bool(row[13]),
+                     answers=row[14] == index)
 
 
 @cache
@@ -794,11 +797,12 @@ def _read_step_input_stmt(with_visible: bool) -> sa.Select[Any]:
     # included (2.6 ms at 45,000 finished steps, growing with the table).
     waiting = sa.or_(other.c.status == StepStatus.PENDING, other.c.status == StepStatus.QUEUED)
     unstarted = sa.select(sa.func.count().filter(waiting)).where(mine).scalar_subquery()
+    last = sa.select(sa.func.max(other.c.index)).where(mine).scalar_subquery()  # the answering step's index
     columns: list[Any] = [
         j.c.status, j.c.task, j.c.context, j.c.limits, j.c.pool_config, j.c.created_at,
         j.c.planner_input_tokens + j.c.planner_output_tokens + spent,
         j.c.planner_cost_usd + spent_usd,
-        st.c.agent, st.c.instruction, st.c.access_list, j.c.tenant, unstarted, batch_work_of(j),
+        st.c.agent, st.c.instruction, st.c.access_list, j.c.tenant, unstarted, batch_work_of(j), last,
     ]
     if with_visible:  # Postgres: [[subtask, answer], …] of the steps on the access list, in step order
         seen = STEP.alias("seen")

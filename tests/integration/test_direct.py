@@ -47,7 +47,8 @@ def test_reads_answer_what_sqlalchemy_answers() -> None:
         assert row[3]["max_cost_usd"] == 2.5  # the job's limits, parsed JSON
         assert row[10] == [0]  # the access list, parsed JSON
         assert row[13] is False  # not batch work (a live top-level job)
-        assert row[14] == [["one", None]]  # step 0's subtask and (not yet) answer, aggregated as JSON
+        assert row[14] == 1  # the job's last step index: the answering step's (max_answer_tokens)
+        assert row[15] == [["one", None]]  # step 0's subtask and (not yet) answer, aggregated as JSON
         direct, orm = both(s, store._step_heads_stmt(), {"p_job_id": job_id})
         assert [tuple(r) for r in direct] == [tuple(r) for r in orm] and len(direct.rows) == 2
         direct, _ = both(s, store._lock_job_stmt(), {"p_job_id": "0" * 32})

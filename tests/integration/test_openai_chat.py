@@ -127,6 +127,24 @@ def test_stream_sends_progress_then_the_answer_then_done(oai: openai.OpenAI, htt
     assert data[-1] == "data: [DONE]"
 
 
+def test_max_completion_tokens_caps_the_answer(oai: openai.OpenAI, http: httpx.Client) -> None:
+    """``max_completion_tokens`` (or ``max_tokens``) reaches the answering step's call, which the sim agent
+    ends there with ``length``, as a provider does: the reply is cut and says so. The steps before the
+    answering one keep their agents' limits."""
+    messages = [{"role": "user", "content": "Say hello at length. " * 5}]
+    for cap in ({"max_completion_tokens": 4}, {"max_tokens": 4}, {"max_tokens": 1000, "max_completion_tokens": 4}):
+        reply = oai.chat.completions.create(model="conductor", messages=messages, **cap)  # type: ignore[call-overload]
+        job = http.get(f"/v1/jobs/{reply.id}").json()
+        assert reply.choices[0].finish_reason == "length" and job["limits"]["max_answer_tokens"] == 4
+        assert reply.choices[0].message.content == job["answer"] and 0 < len(job["answer"]) <= 16
+    fanned = oai.chat.completions.create(model="conductor/template:fanout", messages=messages, max_tokens=4)
+    steps = http.get(f"/v1/jobs/{fanned.id}/steps").json()["data"]
+    assert [st["finish_reason"] for st in steps] == ["stop"] * (len(steps) - 1) + ["length"]
+    assert fanned.choices[0].finish_reason == "length"
+    roomy = oai.chat.completions.create(model="conductor", messages=messages, max_completion_tokens=1000)
+    assert roomy.choices[0].finish_reason == "stop"
+
+
 def test_models_list(oai: openai.OpenAI) -> None:
     ids = [m.id for m in oai.models.list()]
     assert ids[0] == "conductor"

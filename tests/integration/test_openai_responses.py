@@ -267,6 +267,29 @@ def test_an_answer_cut_at_its_token_limit_is_an_incomplete_response(proc_env: di
         f"/v1/jobs/{events[0].response.id}").json()["answer"]  # type: ignore[union-attr]
 
 
+def test_max_output_tokens_caps_the_answer(oai: openai.OpenAI, http: httpx.Client) -> None:
+    """``max_output_tokens`` reaches the answering step's call (the sim agent stops there with ``length``, as
+    a provider does): the response is ``incomplete`` (``max_output_tokens``), its answer as cut, and echoes
+    the cap. Only the answering step is cut; a cap the answer fits under leaves it completed."""
+    long = "Say hello at length. " * 5
+    response = oai.responses.create(model="conductor", input=long, max_output_tokens=4)
+    job = http.get(f"/v1/jobs/{response.id}").json()
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens" and response.max_output_tokens == 4
+    assert response.output_text == job["answer"] and 0 < len(job["answer"]) <= 16
+    assert oai.responses.retrieve(response.id).max_output_tokens == 4
+
+    events = list(oai.responses.create(model="conductor/template:fanout", input=long, max_output_tokens=4,
+                                       stream=True))
+    assert events[-1].type == "response.incomplete"
+    steps = http.get(f"/v1/jobs/{events[0].response.id}/steps").json()["data"]  # type: ignore[union-attr]
+    assert [st["finish_reason"] for st in steps] == ["stop"] * (len(steps) - 1) + ["length"]
+
+    roomy = oai.responses.create(model="conductor", input=long, max_output_tokens=1000)
+    assert roomy.status == "completed" and roomy.max_output_tokens == 1000
+    assert oai.responses.create(model="conductor", input=long).max_output_tokens is None
+
+
 def test_cancel_ends_a_background_response(oai: openai.OpenAI, http: httpx.Client) -> None:
     created = oai.responses.create(model="conductor/slow", input="z", background=True)
     cancelled = oai.responses.cancel(created.id)

@@ -192,6 +192,28 @@ def test_a_recursive_step_runs_a_child_job_and_resumes_its_parent(settings: Sett
     assert job.answer == "[b] part 2"
 
 
+def test_max_answer_tokens_cuts_the_answering_step_only(settings: Settings) -> None:
+    """The job's answer is its last step's output: that step's call gets the cap (the sim agent stops there
+    with ``length``, as a provider does); the steps before it keep their agents' ``max_tokens``. A recursive
+    step passes the cap to its child only when it is the answering step."""
+    long = ["write this at some length, please " * 3] * 3
+    job, steps = run(settings, workflow=workflow(["a", "b", "c"], [[], [0], [1]], long),
+                     limits={"max_answer_tokens": 3})
+    assert job.status == JobStatus.SUCCEEDED
+    assert [st.finish_reason for st in steps] == ["stop", "stop", "length"]
+    assert steps[0].output == f"[a] {long[0]}" and job.answer == steps[2].output == f"[c] {long[2]}"[:12]
+    roots, _ = run(settings, workflow=workflow(["a", "b"], [[], []], long[:2]), limits={"max_answer_tokens": 3})
+    assert roots.answer == f"[b] {long[1]}"[:12]  # both roots claimed at once: only the last one is cut
+
+    job, steps = run(settings, workflow=workflow(["conductor", "conductor"], [[], [0]], long[:2]),
+                     limits={"max_answer_tokens": 3, "max_depth": 1})
+    assert job.status == JobStatus.SUCCEEDED, (job.error_type, job.error_message)
+    first, last = (load(st.child_job_id or "") for st in steps)
+    assert first[0].limits.get("max_answer_tokens") is None and first[1][-1].finish_reason == "stop"
+    assert last[0].limits["max_answer_tokens"] == 3 and last[1][-1].finish_reason == "length"
+    assert job.answer == last[0].answer and len(job.answer or "") <= 12
+
+
 def test_a_failed_child_job_fails_its_parent_step(settings: Settings) -> None:
     """The child inherits what is left of the token budget; its own step does not fit in it."""
     job, steps = run(settings, task="x" * 4000, planner="template:single",
