@@ -352,6 +352,8 @@ class Ledger:
     batches: dict[str, dict[str, Any]] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
     chats: list[dict[str, Any]] = field(default_factory=list)
+    responses: list[dict[str, Any]] = field(default_factory=list)
+    """Each Responses API call: its response (= job) id, what it was told, and what it continued."""
     violations: list[dict[str, Any]] = field(default_factory=list)
     actions: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -457,8 +459,10 @@ class Tenant:
 
     ACTIONS: tuple[tuple[int, str], ...] = (
         (26, "workflow_job"), (8, "planned_job"), (10, "chat"), (9, "chat_stream"), (6, "batch"), (10, "cancel"),
-        (8, "replay"), (3, "events"), (6, "cross_tenant"), (2, "list_jobs"),
+        (8, "replay"), (3, "events"), (6, "cross_tenant"), (2, "list_jobs"), (8, "response"),
     )
+    RESPONSE_POLL_S = 300.0
+    """How long a background response is polled before the soak calls it stuck."""
 
     def act(self) -> None:
         action = self.rng.choices([a for _, a in self.ACTIONS], weights=[w for w, _ in self.ACTIONS])[0]
@@ -615,6 +619,50 @@ class Tenant:
             self.ledger.violation("chat_stream_without_job", tenant=self.name, error=record.get("error"))
         with self.ledger.lock:
             self.ledger.chats.append(record)
+
+    def response(self) -> None:
+        """The Responses API through the SDK: waited for or in the background (then polled), half of them
+        continuing one of this tenant's completed responses (``previous_response_id``)."""
+        import openai
+
+        rng = self.rng
+        with self.ledger.lock:
+            done = [r for r in self.ledger.responses if r["tenant"] == self.name and r.get("status") == "completed"]
+        previous = rng.choice(done[-20:]) if done and rng.random() < 0.5 else None
+        background = rng.random() < 0.5
+        model = self._chat_model()
+        record: dict[str, Any] = {"tenant": self.name, "model": model, "background": background,
+                                  "previous": previous["job"] if previous else None}
+        extra: dict[str, Any] = {"previous_response_id": previous["job"]} if previous else {}
+        try:
+            reply = self.openai.responses.create(model=model, input=f"soak response {rng.randrange(10**9)}",
+                                                 instructions="Be brief.", background=background, **extra)
+            deadline = time.monotonic() + self.RESPONSE_POLL_S
+            while reply.status in ("queued", "in_progress") and time.monotonic() < deadline:
+                time.sleep(0.5)
+                reply = self.openai.responses.retrieve(reply.id)
+        except openai.APIStatusError as exc:
+            job_id = exc.response.headers.get("conductor-job-id")
+            record.update(job=job_id, status=exc.status_code)
+            accepted = (429, 503) if self.ledger.services_restart else (429,)
+            if exc.status_code not in accepted:
+                self.ledger.violation("response_error", tenant=self.name, status=exc.status_code, job=job_id,
+                                      previous=record["previous"], message=str(exc)[:500])
+        except openai.APIError as exc:
+            self.ledger.violation("response_error", tenant=self.name, message=f"{type(exc).__name__}: {exc}"[:500])
+            return
+        else:
+            usage = reply.usage
+            record.update(job=reply.id, status=reply.status, content=reply.output_text,
+                          echoed_previous=reply.previous_response_id,
+                          input_tokens=usage.input_tokens if usage else None,
+                          output_tokens=usage.output_tokens if usage else None)
+            if reply.status in ("queued", "in_progress"):
+                self.ledger.violation("response_stuck", tenant=self.name, job=reply.id, status=reply.status)
+        if record.get("job"):
+            self.ledger.job(record["job"], self.name, "response", webhook=self.name == DEFAULT_HOOK_TENANT)
+        with self.ledger.lock:
+            self.ledger.responses.append(record)
 
     def batch(self) -> None:
         rng = self.rng
@@ -1219,6 +1267,38 @@ def check_chats(v: Callable[..., None], ledger: Ledger) -> None:
             v("event_stream_end_not_the_job", job=job_id, event=end, status=job.status)
 
 
+def check_responses(v: Callable[..., None], ledger: Ledger) -> None:
+    """A response's answer and usage are its job's; a continued one echoes what it continued, and its job's
+    context holds that response's answer (the worker saw the earlier turn)."""
+    jobs = {r.id: r for r in q("SELECT id, status, answer, input_tokens, output_tokens, context::text AS context "
+                               "FROM job WHERE parent_job_id IS NULL")}
+    answers = {r["job"]: r.get("content") for r in ledger.responses if r.get("status") == "completed"}
+    for resp in ledger.responses:
+        job = jobs.get(resp.get("job") or "")
+        if job is None:
+            continue
+        CHECKED[f"responses ({'continued' if resp['previous'] else 'new'}, {resp['status']})"] += 1
+        expected = {"completed": "succeeded", "incomplete": "succeeded", "failed": "failed", "cancelled": "cancelled"}
+        if resp["status"] in expected and job.status != expected[resp["status"]]:
+            v("response_status_not_the_job", job=job.id, response=resp["status"], job_status=job.status)
+        if resp["status"] != "completed":
+            continue
+        if (resp.get("content") or "") != (job.answer or ""):
+            v("response_answer_not_the_job", job=job.id, content=(resp.get("content") or "")[:120],
+              answer=(job.answer or "")[:120])
+        if resp.get("input_tokens") is not None and (resp["input_tokens"], resp["output_tokens"]) != (
+                job.input_tokens, job.output_tokens):
+            v("response_usage_not_the_job", job=job.id, response=[resp["input_tokens"], resp["output_tokens"]],
+              rows=[job.input_tokens, job.output_tokens])
+        if resp["previous"]:
+            earlier = answers.get(resp["previous"])
+            if resp.get("echoed_previous") != resp["previous"]:
+                v("response_previous_not_echoed", job=job.id, previous=resp["previous"],
+                  echoed=resp.get("echoed_previous"))
+            if earlier and json.dumps(earlier, ensure_ascii=False)[1:-1] not in (job.context or ""):
+                v("response_previous_not_in_context", job=job.id, previous=resp["previous"])
+
+
 TRACEBACK = re.compile(r"Traceback \(most recent call last\)|Exception ignored in| ERROR/|^ERROR|CRITICAL")
 """A traceback (also one Celery's stderr redirect logs line by line as WARNING), or an error logged."""
 
@@ -1324,7 +1404,11 @@ def soak_main(args: argparse.Namespace) -> int:
         services = (pg, redis_server)
         import atexit
 
-        atexit.register(lambda: (redis_server.stop(save=False), pg.stop("immediate")))  # also when the soak fails
+        def stop_services() -> None:  # also when the soak fails
+            redis_server.stop(save=False)
+            pg.stop("immediate")
+
+        atexit.register(stop_services)
         args.database_url = pg.url("conductor_soak")
         args.broker_url, args.result_backend = redis_server.url(0), redis_server.url(1)
         log(f"services: Postgres {args.database_url} (cluster {pg.data}), Redis {args.broker_url}")
@@ -1401,6 +1485,7 @@ def soak_main(args: argparse.Namespace) -> int:
         time.sleep(min(30, max(0, end - time.monotonic())))
         with ledger.lock:
             log(f"load: {len(ledger.jobs)} jobs, {len(ledger.batches)} batches, {len(ledger.chats)} chats, "
+                f"{len(ledger.responses)} responses, "
                 f"{len(ledger.violations)} client-side violations; actions {dict(ledger.actions)}")
     stop_chaos.set()
     for thread in chaos_threads:
@@ -1438,6 +1523,7 @@ def soak_main(args: argparse.Namespace) -> int:
         ("webhooks", lambda: check_webhooks(v, hooks)), ("batches", lambda: check_batches(v, ledger, clients)),
         ("metrics", lambda: check_metrics(v, admin, keys)), ("isolation", lambda: check_isolation(v, ledger, clients)),
         ("chats", lambda: check_chats(v, ledger)),
+        ("responses", lambda: check_responses(v, ledger)),
     ]
     for name, check in checks:
         try:
@@ -1460,6 +1546,7 @@ def soak_main(args: argparse.Namespace) -> int:
         "deliveries": dict(Counter(r.status for r in q("SELECT status FROM webhook_delivery"))),
         "batches": dict(Counter(r.status for r in q("SELECT status FROM batch"))),
         "chats": len(ledger.chats),
+        "responses": len(ledger.responses),
         "actions": dict(ledger.actions),
         "kills": sum(w.incarnation for w in workers),
         "violations": dict(Counter(f["check"] for f in found)),

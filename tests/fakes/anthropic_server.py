@@ -68,8 +68,9 @@ class FakeAnthropicServer(FakeProviderServer):
         return auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
 
     def invalid(self, body: Any) -> str | None:
-        messages = body.get("messages") if isinstance(body, dict) else None
-        for i, message in enumerate(messages if isinstance(messages, list) else []):
+        found = body.get("messages") if isinstance(body, dict) else None
+        messages: list[Any] = found if isinstance(found, list) else []
+        for i, message in enumerate(messages):
             final_assistant = i == len(messages) - 1 and message.get("role") == "assistant"
             if not "".join(texts_in(message.get("content", ""))).strip() and not final_assistant:
                 return f"messages.{i}: all messages must have non-empty content except for the optional final " \
