@@ -34,6 +34,28 @@ MAX_RETRY_AFTER_S = 300.0
 exhausted."""
 
 
+LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
+"""The hosts a server with ``auth_required`` off answers to unless ``allowed_hosts`` says otherwise."""
+
+
+def host_name(host: str) -> str:
+    """The name in a ``Host`` header value (or an ``allowed_hosts`` entry), lowercased, without its port,
+    brackets or trailing dot: ``[::1]:8000`` -> ``::1``, ``LocalHost.:80`` -> ``localhost``."""
+    host = host.strip().lower()
+    if host.startswith("["):  # an IPv6 literal, as a Host header writes it
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:  # name:port (an address with several colons is a bare IPv6 literal)
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
+    """Whether the name ``host`` (``host_name``'s form) matches ``allowlist``: exactly, by ``*``, or by a
+    ``*.suffix`` entry for any name ending in ``.suffix``."""
+    return any(entry == "*" or entry == host or (entry.startswith("*.") and host.endswith(entry[1:]))
+               for entry in allowlist)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONDUCTOR_", env_file=".env", extra="ignore",
                                       hide_input_in_errors=True)
@@ -52,6 +74,15 @@ class Settings(BaseSettings):
     models_dir: Path = Field(default_factory=_default_models_dir)
     """Where local models that ship as PyPI chunk packages are assembled (once, then reused)."""
     auth_required: bool = True
+    allowed_hosts: str = ""
+    """Host names the API answers to, comma-separated (``CONDUCTOR_ALLOWED_HOSTS``): a request whose ``Host``
+    header names another is refused (400) before anything of it is read. A port is ignored (``localhost``
+    allows ``localhost:8000``), an IPv6 address may be written with or without brackets, ``*`` allows any
+    host and ``*.example.com`` any name below ``example.com`` (not ``example.com`` itself). Empty (the
+    default): ``*`` while ``auth_required``, else the loopback names only (``LOOPBACK_HOST_NAMES``). Why: a
+    server without keys on 127.0.0.1 is still reachable from any web page the machine's browser opens, by
+    DNS rebinding (the page's own name re-resolved to 127.0.0.1), and such a request carries the page's
+    name as its Host."""
 
     # Input limits: every request is checked against these before anything is stored.
     max_task_chars: int = Field(default=100_000, ge=1)
@@ -259,6 +290,14 @@ class Settings(BaseSettings):
     api_url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
 
+
+    def host_allowlist(self) -> tuple[str, ...]:
+        """``allowed_hosts`` as normalized names (``host_name``), or its default: ``("*",)`` while keys are
+        required, the loopback names without them."""
+        names = tuple(host_name(n) for n in self.allowed_hosts.split(",") if n.strip())
+        if names:
+            return names
+        return ("*",) if self.auth_required else LOOPBACK_HOST_NAMES
 
     def step_max_duration_s(self, call_timeout_s: float | None = None) -> float:
         """The longest a step may run while its worker lives: every attempt waiting its full rate-limit

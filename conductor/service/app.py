@@ -25,7 +25,7 @@ from conductor.service.problems import (
 )
 from conductor.service.routes import batches, files, jobs, metrics, openai_chat, openai_responses, ui, webhooks
 from conductor.service.schemas import Health
-from conductor.settings import Settings, get_settings
+from conductor.settings import Settings, get_settings, host_allowed, host_name
 from conductor.store.db import DATABASE_AWAY, get_engine
 from conductor.store.keys import PEPPER_WARNING
 
@@ -42,6 +42,7 @@ def create_app() -> FastAPI:
     install_error_handlers(app, key_check=lambda authorization: bearer_key(get_settings(), authorization))
     app.add_middleware(KeyBeforeBody)
     app.add_middleware(BodyLimit)  # outside KeyBeforeBody: oversize headers and declared bodies first
+    app.add_middleware(HostAllowed)  # outside both: a request to a name not ours is refused first
 
     @app.get("/healthz", responses=problems(503))
     def healthz(session: SessionDep) -> Health:
@@ -116,6 +117,41 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+MAX_SHOWN_HOST_CHARS = 255
+"""A refused Host is named in the refusal up to this long (a DNS name's longest)."""
+
+
+class HostAllowed:
+    """400 for a request whose ``Host`` names a host not in ``CONDUCTOR_ALLOWED_HOSTS``
+    (``Settings.host_allowlist``), before any other check and before its body is read. Against DNS
+    rebinding: a web page whose name is re-resolved to this server's address (127.0.0.1) makes the
+    browser send it the page's requests, same-origin for the page, with the page's name as ``Host``. With
+    keys required the pages cannot send one and the default allows any host; without keys (local use) only
+    the loopback names are allowed by default. Inside ``OpenAIErrorShape``: the OpenAI routes answer the
+    refusal in their error shape."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        allowlist = get_settings().host_allowlist()
+        if allowlist != ("*",):
+            raw = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            if not host_allowed(host_name(raw), allowlist):
+                shown = raw[:MAX_SHOWN_HOST_CHARS] + ("..." if len(raw) > MAX_SHOWN_HOST_CHARS else "")
+                named = f"the Host header names {shown!r}" if raw else "the request has no Host header"
+                await problem_response(
+                    400, "Host not allowed", f"{named}, which this server does not answer to: add the name "
+                    "clients reach it by to CONDUCTOR_ALLOWED_HOSTS (comma-separated names, a port is "
+                    "ignored; '*' allows any). Without keys (CONDUCTOR_AUTH_REQUIRED=false) only localhost, "
+                    "127.0.0.1 and ::1 are allowed by default")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def is_upload(scope: Scope) -> bool:
