@@ -7,8 +7,9 @@ changes (``Pace``), and looks the stream's API key up again every ``KEY_CHECK_S`
 thousand open streams on jobs that run for minutes cost the database a few hundred small reads a
 second, not thousands of whole job rows.
 
-Each holds one of its tenant's stream slots (``quotas.open_stream``) and gives it back when it ends,
-from a worker thread and shielded from the cancellation of a client that left (``release_slot``).
+Each holds one of its tenant's stream slots (``quotas.open_stream``) and gives it back when its response
+ends, however it ends (``SlotStream``), from a worker thread and shielded from the cancellation of a
+client that left (``release_slot``).
 
 A poll that finds the database away (``DATABASE_AWAY``: down, restarting, every pooled connection busy)
 is tried again for a few seconds, so that a restart or a failover does not end every open stream; past
@@ -23,11 +24,13 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TypeVar
 
 import anyio
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from conductor.quotas import close_stream
 from conductor.settings import Settings
@@ -100,3 +103,31 @@ async def release_slot(tenant: str, slot: str, settings: Settings) -> None:
     released holds a place of the tenant's until it expires)."""
     with anyio.CancelScope(shield=True):
         await anyio.to_thread.run_sync(close_stream, tenant, slot, settings)
+
+
+class SlotStream(StreamingResponse):
+    """A server-sent event stream holding its tenant's stream slot ``slot``, given back when the response
+    ends: finished, failed, or its client gone at any moment. Released by the body's generator alone (in
+    its ``finally``), the slot outlived a client that left early: one gone while the response's first
+    message was being sent (uvicorn's ``send`` waits while the connection takes no more writes) cancelled
+    the response before its body was iterated, so the generator never started, its ``finally`` never ran,
+    and the slot kept a place of the tenant's until it lapsed (``STREAM_TTL_S``); one gone while an event
+    was being sent left the generator suspended at its ``yield``, closed only when garbage-collected. Here
+    the generator is closed as the response ends (its ``finally`` runs then) and the slot released,
+    shielded from the cancellation that ended it."""
+
+    def __init__(self, events: AsyncGenerator[str, None], *, tenant: str, slot: str, settings: Settings,
+                 headers: Mapping[str, str] | None = None):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self.events, self.tenant, self.slot, self.settings = events, tenant, slot, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.events.aclose()
+                finally:
+                    await release_slot(self.tenant, self.slot, self.settings)  # (not released: it lapses)

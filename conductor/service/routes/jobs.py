@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from datetime import UTC, datetime
 from functools import partial
 from typing import Annotated
@@ -40,7 +40,7 @@ from conductor.service.schemas import (
     StepEvent,
     StepList,
 )
-from conductor.service.stream_polls import Pace, failure_reason, poll, release_slot
+from conductor.service.stream_polls import Pace, SlotStream, failure_reason, poll
 from conductor.service.views import (
     MAX_TREE_DEPTH,
     job_event,
@@ -243,11 +243,8 @@ def events(job_id: str, settings: SettingsDep, authorization: Annotated[str | No
         job_id = job_id_or_404(session, job_id, tenant)
     slot = uuid.uuid4().hex
     open_stream(tenant, slot, settings)
-    return StreamingResponse(
-        _event_stream(job_id, settings, tenant=tenant, slot=slot, key=bearer_key(settings, authorization)),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return SlotStream(_events(job_id, settings, tenant=tenant, slot=slot, key=bearer_key(settings, authorization)),
+                      tenant=tenant, slot=slot, settings=settings)
 
 
 @router.post("/v1/jobs/{job_id}/cancel", status_code=202, responses=problems(401, 404, 409, 503))
@@ -276,17 +273,9 @@ def _error_event(kind: str, message: str) -> str:
     return f"event: error\ndata: {json.dumps({'type': kind, 'message': message})}\n\n"
 
 
-async def _event_stream(
-    job_id: str, settings: Settings, *, tenant: str, slot: str, key: str | None
-) -> AsyncIterator[str]:
-    try:
-        async for event in _events(job_id, settings, tenant=tenant, slot=slot, key=key):
-            yield event
-    finally:
-        await release_slot(tenant, slot, settings)  # (a slot not released expires by itself)
-
-
-async def _events(job_id: str, settings: Settings, *, tenant: str, slot: str, key: str | None) -> AsyncIterator[str]:
+async def _events(job_id: str, settings: Settings, *, tenant: str, slot: str,
+                  key: str | None) -> AsyncGenerator[str, None]:
+    """The stream's events; its slot is the response's (``SlotStream``), refreshed here while it runs."""
     seen: dict[str, str] = {}
     pace = Pace()  # the key is looked up every KEY_CHECK_S (and before the end is told), not at each poll
     started = last_sent = last_held = time.monotonic()

@@ -16,14 +16,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
 from sqlalchemy.sql import Executable
 from sqlmodel import Session
 
@@ -48,7 +47,7 @@ from conductor.quotas import (
 from conductor.service.deps import SettingsDep, TenantDep, bearer_key, resolve_tenant
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
 from conductor.service.problems import http_status
-from conductor.service.stream_polls import Pace, failure_reason, poll, release_slot
+from conductor.service.stream_polls import Pace, SlotStream, failure_reason, poll, release_slot
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
@@ -115,11 +114,10 @@ async def chat_completions(
         return await _answer(body, response, settings, tenant, key)
     job_id, slot = await submit_holding_slot(partial(_submit, body, settings, tenant), tenant, settings)
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-    return StreamingResponse(
+    return SlotStream(
         held_stream(_stream(job_id, body.model, settings, key, include_usage=include_usage), job_id, tenant, slot,
                     settings),
-        media_type="text/event-stream",
-        headers={JOB_HEADER: job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        tenant=tenant, slot=slot, settings=settings, headers={JOB_HEADER: job_id},
     )
 
 
@@ -271,27 +269,25 @@ def _not_answered(job_id: str, job: Job | None, settings: Settings) -> tuple[int
 
 
 async def held_stream(events: AsyncGenerator[str, None], job_id: str, tenant: str, slot: str,
-                      settings: Settings, lapsed: Callable[[str], list[str]] | None = None) -> AsyncIterator[str]:
-    """The stream, holding its slot: refreshed while it runs, released when it ends or the client leaves.
-    A slot that lapsed meanwhile and cannot be taken again (the tenant holds its limit of streams) ends
-    the stream with a ``rate_limit_exceeded`` error, as a new stream would be refused: ``lapsed(message)``
-    renders its last events (by default a chat completion stream's error event and ``[DONE]``), sent in
-    place of the item ``events`` had just yielded, which is dropped."""
+                      settings: Settings, lapsed: Callable[[str], list[str]] | None = None
+                      ) -> AsyncGenerator[str, None]:
+    """The stream, holding its slot: refreshed while it runs (its response, a ``SlotStream``, releases it
+    when it ends or the client leaves). A slot that lapsed meanwhile and cannot be taken again (the tenant
+    holds its limit of streams) ends the stream with a ``rate_limit_exceeded`` error, as a new stream would
+    be refused: ``lapsed(message)`` renders its last events (by default a chat completion stream's error
+    event and ``[DONE]``), sent in place of the item ``events`` had just yielded, which is dropped."""
     last_held = time.monotonic()
-    try:
-        async with aclosing(events):
-            async for event in events:
-                if time.monotonic() - last_held > HEARTBEAT_S:
-                    last_held = time.monotonic()
-                    if not await run_in_threadpool(refresh_stream, tenant, slot, settings):
-                        message = (f"{lapsed_stream_message(settings)}; job {job_id} goes on: "
-                                   f"GET /v1/jobs/{job_id} has its answer when it ends")
-                        for last in (lapsed or _chat_lapsed)(message):
-                            yield last
-                        return
-                yield event
-    finally:
-        await release_slot(tenant, slot, settings)  # (a slot not released expires by itself)
+    async with aclosing(events):
+        async for event in events:
+            if time.monotonic() - last_held > HEARTBEAT_S:
+                last_held = time.monotonic()
+                if not await run_in_threadpool(refresh_stream, tenant, slot, settings):
+                    message = (f"{lapsed_stream_message(settings)}; job {job_id} goes on: "
+                               f"GET /v1/jobs/{job_id} has its answer when it ends")
+                    for last in (lapsed or _chat_lapsed)(message):
+                        yield last
+                    return
+            yield event
 
 
 def _chat_lapsed(message: str) -> list[str]:

@@ -19,7 +19,6 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
 from conductor.openai_wire import InputItemList, ResponseCreateRequest, ResponseObject
@@ -39,7 +38,7 @@ from conductor.service.routes.openai_chat import (
     wait_failed_message,
     wait_for_job,
 )
-from conductor.service.stream_polls import Pace, failure_reason, poll
+from conductor.service.stream_polls import Pace, SlotStream, failure_reason, poll
 from conductor.settings import Settings
 from conductor.store.db import get_engine
 from conductor.store.models import Job, JobStatus, OpenAIResponse
@@ -96,11 +95,8 @@ async def create_response(
         return answer
     job_id, slot = await submit_holding_slot(partial(_submit, body, settings, tenant), tenant, settings)
     events = ResponseEvents(job_id, tenant, settings, key)
-    return StreamingResponse(
-        held_stream(events.stream(), job_id, tenant, slot, settings, lapsed=events.lapsed),
-        media_type="text/event-stream",
-        headers={JOB_HEADER: job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return SlotStream(held_stream(events.stream(), job_id, tenant, slot, settings, lapsed=events.lapsed),
+                      tenant=tenant, slot=slot, settings=settings, headers={JOB_HEADER: job_id})
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject,
