@@ -256,6 +256,16 @@ def test_a_body_json_cannot_read_is_401_without_a_key_and_a_clear_refusal_with_o
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text  # OpenAI's shape there
 
 
+def test_an_overlong_key_posted_to_the_viewers_login_gets_the_login_page_saying_so(api: str) -> None:
+    """The form's own validation refused a key over MAX_KEY_CHARS (or none) with a problem+json document,
+    shown raw to the person who pasted it."""
+    with httpx.Client(base_url=api, timeout=30) as browser:
+        for key, says in (("k" * 300, "at most 256 characters"), ("  ", "Paste an API key")):
+            r = browser.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
+            assert r.status_code == 422 and r.headers["content-type"].startswith("text/html"), r.text
+            assert says in r.text and 'action="/ui/login"' in r.text and "set-cookie" not in r.headers, r.text
+
+
 def test_a_workflow_with_fields_it_does_not_use_is_refused(client: httpx.Client) -> None:
     steps = [{"agent": "a", "instruction": "x", "access_list": []}]
     for workflow in ({"steps": steps, "junk": "x" * 1000}, {**wf(["a"], [[]]), "notes": "kept?"}):

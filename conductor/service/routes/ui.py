@@ -36,6 +36,7 @@ OLD_COOKIE = "conductor_key"
 """Held the API key itself before sessions: cleared at login and logout."""
 COOKIE_MAX_AGE_S = 8 * 3600
 MAX_KEY_CHARS = 256
+MAX_NEXT_CHARS = 2048
 MAX_LIST_LIMIT = 200
 CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
        "frame-ancestors 'none'; base-uri 'none'")
@@ -139,7 +140,7 @@ def stylesheet() -> Response:
 
 
 @router.get("/login", response_class=HTMLResponse, responses=_responses(422))
-def login_form(next: Annotated[str, Query(max_length=2048)] = "/ui/jobs") -> HTMLResponse:
+def login_form(next: Annotated[str, Query(max_length=MAX_NEXT_CHARS)] = "/ui/jobs") -> HTMLResponse:
     return _page("login.html", next=_safe_next(next), error=None, max_key=MAX_KEY_CHARS)
 
 
@@ -149,11 +150,17 @@ def login(
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
-    key: Annotated[str, Form(min_length=1, max_length=MAX_KEY_CHARS)],
-    next: Annotated[str, Form(max_length=2048)] = "/ui/jobs",
+    key: Annotated[str, Form()] = "",
+    next: Annotated[str, Form(max_length=MAX_NEXT_CHARS)] = "/ui/jobs",
 ) -> Response:
+    """The key's length is checked here, not by the form's validation, whose refusal is a problem+json
+    document: a person who pasted something else gets the form again, saying what a key is."""
     if _cross_site(request):
         return _page("login.html", 403, next="/ui/jobs", error=CROSS_SITE, max_key=MAX_KEY_CHARS)
+    if not key.strip() or len(key) > MAX_KEY_CHARS:
+        return _page("login.html", 422, next=_safe_next(next), max_key=MAX_KEY_CHARS, error=(
+            f"That is not an API key: a key is at most {MAX_KEY_CHARS} characters (conductor keys create "
+            "--tenant NAME prints one, starting cq_)." if key.strip() else "Paste an API key to sign in."))
     if not settings.auth_required:  # every caller is the default tenant: nothing to remember
         return RedirectResponse(_safe_next(next), status_code=303)
     signed_in = create_session(session, key=key.strip(), pepper=settings.api_key_pepper, ttl_s=COOKIE_MAX_AGE_S)
