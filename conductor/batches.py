@@ -48,6 +48,12 @@ JOBS_ENDPOINT = "/v1/jobs"
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 MAX_CUSTOM_ID_CHARS = 512
 MAX_FILENAME_CHARS = 255
+"""A batch input file's name is stored cut to this."""
+MAX_UPLOAD_FILENAME_CHARS = 1_000
+"""The longest file name ``POST /v1/files`` takes (longer: refused, 400 ``param: file``). Within it every name
+is read: the file part's ``Content-Disposition`` header carries it, at most 4 bytes a character, and the
+multipart parser (python-multipart) refuses a header line over 4,224 bytes, which Starlette reports only
+as "Invalid multipart data."."""
 
 
 class BatchFileError(ValueError):

@@ -12,10 +12,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from python_multipart.exceptions import FormParserError
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
+from conductor.batches import MAX_UPLOAD_FILENAME_CHARS
 from conductor.errors import Rejection
 from conductor.quotas import QuotaExceeded
 from conductor.store.db import driver_reason
@@ -94,6 +97,35 @@ def unreadable_json(cause: BaseException | None) -> str:
     return "the body could not be read as JSON: send one JSON object, encoded as UTF-8"
 
 
+MISSING_BOUNDARY = "Missing boundary in multipart."
+"""Starlette's 400 for a multipart body whose Content-Type names no boundary."""
+HEADER_TOO_LONG = "Maximum header size exceeded"
+"""python-multipart's refusal of a part's header line past its limit (Starlette: "Invalid multipart data.")."""
+
+
+def unreadable_form(exc: StarletteHTTPException) -> tuple[tuple[str, ...], str] | None:
+    """Where and why a multipart or form body could not be parsed, from the parser's error behind Starlette's
+    400 (its ``MultiPartException``, and python-multipart's own error behind that), saying what to send
+    instead; None for a 400 that is not a form parser's."""
+    causes: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(causes) < 8:
+        causes.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if not any(isinstance(c, MultiPartException) for c in causes):
+        return None
+    if exc.detail == MISSING_BOUNDARY:
+        return ("body",), ("the multipart body names no boundary: its Content-Type must be "
+                           "'multipart/form-data; boundary=...' as the body's parts use it (an HTTP client's "
+                           "files=/data= builds both; a Content-Type header set by hand loses the boundary)")
+    if any(isinstance(c, FormParserError) and HEADER_TOO_LONG in str(c) for c in causes):
+        return ("body", "file"), (f"a part's header is longer than the multipart parser reads (4,224 bytes): the "
+                                  f"file's name is too long; it may be at most {MAX_UPLOAD_FILENAME_CHARS:,} "
+                                  f"characters (MAX_UPLOAD_FILENAME_CHARS)")
+    return ("body",), (f"the multipart body could not be parsed ({exc.detail}): send multipart/form-data as an "
+                       "HTTP client's files=/data= builds it")
+
+
 def validation_errors(raw: Sequence[Any]) -> list[dict[str, Any]]:
     """At most ``MAX_REPORTED_ERRORS`` of a request's validation errors, each location part and message
     cut at ``MAX_ERROR_PART_CHARS``, then one saying how many more: a body built to fail on every item
@@ -166,6 +198,9 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
         if exc.status_code == 400 and exc.detail == UNPARSED_BODY:
             return await _validation(request, RequestValidationError(
                 [{"loc": ("body",), "msg": unreadable_json(exc.__cause__), "type": "json_invalid"}]))
+        if exc.status_code == 400 and (form := unreadable_form(exc)) is not None:
+            return await _validation(request, RequestValidationError(
+                [{"loc": form[0], "msg": form[1], "type": "form_invalid"}]))
         return problem_response(exc.status_code, str(exc.detail), str(exc.detail))
 
     @app.exception_handler(DataError)

@@ -256,6 +256,32 @@ def test_a_body_json_cannot_read_is_401_without_a_key_and_a_clear_refusal_with_o
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text  # OpenAI's shape there
 
 
+def test_an_upload_whose_multipart_body_cannot_be_parsed_is_refused_naming_the_cause(
+    client: httpx.Client, api: str
+) -> None:
+    """A keyed upload whose multipart body names no boundary got Starlette's 'Missing boundary in multipart.',
+    and one whose file name is ~5,000 characters python-multipart's 'Invalid multipart data.' (a part's
+    header line is at most 4,224 bytes): neither said what to send. Now they are the validation refusal
+    (400 in the OpenAI shape on /v1/files, as every refused body there; 422 problem+json elsewhere) saying
+    why; a name past MAX_UPLOAD_FILENAME_CHARS that the parser reads is refused alike, one within it kept."""
+    r = client.post("/v1/files", content=b"--x\r\n\r\n--x--\r\n", headers={"Content-Type": "multipart/form-data"})
+    assert r.status_code == 400 and "names no boundary" in r.json()["error"]["message"], r.text
+    r = client.post("/ui/login", content=b"--x\r\n\r\n--x--\r\n", headers={"Content-Type": "multipart/form-data"})
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text
+    assert "names no boundary" in r.json()["detail"] and r.json()["errors"][0]["loc"] == ["body"], r.text
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/jobs", "body": {"task": "t"}}\n'
+    for name in ("x" * 5_000 + ".jsonl", "\u00e9" * 1_500 + ".jsonl", "x" * 1_001):  # past the parser; past ours
+        r = client.post("/v1/files", files={"file": (name, line)}, data={"purpose": "batch"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "file", (len(name), r.text)
+        assert "at most 1,000 characters" in r.json()["error"]["message"] or "at most 1,000 (" in \
+            r.json()["error"]["message"], r.text
+    r = client.post("/v1/files", files={"file": ("\u00e9" * 1_000, line)}, data={"purpose": "batch"})
+    assert r.status_code == 200 and r.json()["filename"] == "\u00e9" * 255, r.text  # kept, cut to 255
+    with httpx.Client(base_url=api, timeout=30) as anonymous:  # and still: no key, 401 before any of it
+        r = anonymous.post("/v1/files", files={"file": ("x" * 5_000, line)}, data={"purpose": "batch"})
+        assert r.status_code == 401, r.text
+
+
 def test_an_overlong_key_posted_to_the_viewers_login_gets_the_login_page_saying_so(api: str) -> None:
     """The form's own validation refused a key over MAX_KEY_CHARS (or none) with a problem+json document,
     shown raw to the person who pasted it."""

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import Response
 from sqlmodel import Session
 
-from conductor.batches import BatchFileError, parse_input, store_input_file
+from conductor.batches import MAX_UPLOAD_FILENAME_CHARS, BatchFileError, parse_input, store_input_file
 from conductor.openai_wire import FileDeleted, FileList, FileObject, FilePurpose
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import OpenAIError, openai_errors
@@ -82,6 +82,10 @@ def upload_file(
     filename = file.filename or "batch.jsonl"
     if unstorable(filename):
         raise OpenAIError(400, f"filename {unstorable(filename)}", param="file", code="invalid_filename")
+    if len(filename) > MAX_UPLOAD_FILENAME_CHARS:  # (longer still, the multipart parser refuses it: the same 400)
+        raise OpenAIError(400, f"the file's name is {len(filename):,} characters; it may be at most "
+                          f"{MAX_UPLOAD_FILENAME_CHARS:,} (MAX_UPLOAD_FILENAME_CHARS)", param="file",
+                          code="invalid_filename")
     try:  # before any database work: no connection is held while a 10 MB file is read
         lines = parse_input(content, settings)
     except BatchFileError as exc:
