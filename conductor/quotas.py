@@ -76,6 +76,37 @@ def check_submit_rate(tenant: str, settings: Settings) -> None:
         )
 
 
+AUTH_FAILURES_BUCKET = "authfail:"
+
+
+def check_failed_lookup(client: str, settings: Settings) -> None:
+    """Counts one failed API-key lookup from the address ``client`` (``auth_failures_per_minute``); raises
+    QuotaExceeded once that address has used its failures up. Called only after a lookup failed, so a valid
+    key is never refused (an address may be shared: a NAT, a proxy). Keys are 256-bit random, so this is
+    not what keeps them from being guessed: it slows a client that keeps sending a wrong one (a revoked key
+    in a loop, a scan) and tells it to stop. With Redis away the failure is not counted (logged): a plain
+    401, as before."""
+    if not settings.auth_failures_per_minute or not _uses_redis(settings):
+        return
+    try:
+        wait = get_limiter(settings.broker_url).try_take(
+            AUTH_FAILURES_BUCKET + client, per_minute=settings.auth_failures_per_minute)
+    except RateLimiterUnavailable as exc:
+        cause = exc.__cause__ or exc
+        log.warning("failed key lookups not counted: their Redis cannot be reached (%s: %s); answered 401",
+                    type(cause).__name__, cause)
+        return
+    if wait > 0:
+        raise QuotaExceeded(
+            "Too many failed key lookups",
+            f"this address sent an unknown or revoked API key more than {settings.auth_failures_per_minute} "
+            f"times in a minute (CONDUCTOR_AUTH_FAILURES_PER_MINUTE), this one too: send a valid key "
+            f"('conductor keys create --tenant NAME' prints one); an unknown one is refused like this for "
+            f"{math.ceil(wait)} s more",
+            wait,
+        )
+
+
 def check_jobs_in_flight(session: Session, tenant: str, settings: Settings) -> None:
     """Refuses a new job while the tenant already has ``tenant_max_jobs_in_flight`` unfinished ones.
     Holds a per-tenant lock until the caller's transaction ends, so concurrent submissions cannot
@@ -244,6 +275,7 @@ __all__ = [
     "QuotaExceeded",
     "admission",
     "check_batch_jobs_in_flight",
+    "check_failed_lookup",
     "check_jobs_in_flight",
     "check_submit_rate",
     "close_stream",

@@ -187,6 +187,11 @@ class Settings(BaseSettings):
     broker; a batch is admitted while the tenant's unfinished lines plus its input file's lines fit (two
     batches of the default ``batch_max_lines`` at once): a tenant then has at most this many plus
     ``tenant_max_jobs_in_flight`` jobs unfinished."""
+    auth_failures_per_minute: int = Field(default=60, ge=0)
+    """Failed API-key lookups (an unknown or revoked key) one client address may make a minute, a burst of as
+    many, counted in Redis by every API process; past it such a request is 429 with ``Retry-After`` instead of
+    401. Counted only once a lookup has failed: a valid key is never refused, whoever shares its address. 0:
+    not counted."""
     tenant_max_streams: int = Field(default=10, ge=1)
     """Open ``GET /v1/jobs/{id}/events`` streams per tenant."""
     max_tree_steps: int = Field(default=60, ge=1)

@@ -18,10 +18,12 @@ from conductor.service.openai_errors import install_openai_errors
 from conductor.service.openapi import published_schema
 from conductor.service.problems import (
     Problem,
+    UnknownKey,
     database_unavailable,
     install_error_handlers,
     problem_response,
     problems,
+    unknown_key_refusal,
 )
 from conductor.service.routes import batches, files, jobs, metrics, openai_chat, openai_responses, ui, webhooks
 from conductor.service.schemas import Health
@@ -181,6 +183,11 @@ class KeyBeforeBody:
                 bearer_key(settings, authorization)
                 if is_upload(scope) and settings.auth_required:
                     await run_in_threadpool(_known_key, settings, authorization)
+            except UnknownKey:
+                client = scope.get("client")
+                await (await run_in_threadpool(unknown_key_refusal, client[0] if client else None))(
+                    scope, receive, send)
+                return
             except Problem as refused:
                 response = problem_response(refused.status, refused.title, refused.detail, headers=refused.headers)
                 await response(scope, receive, send)

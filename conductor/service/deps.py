@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Header
 from sqlmodel import Session
 
-from conductor.service.problems import Problem
+from conductor.service.problems import Problem, UnknownKey
 from conductor.settings import Settings, get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
@@ -53,7 +53,7 @@ def resolve_tenant(session: Session, settings: Settings, authorization: str | No
         return DEFAULT_TENANT
     tenant = tenant_for_key(session, key=key, pepper=settings.api_key_pepper)
     if tenant is None:
-        raise Problem(401, "Unauthorized", "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+        raise UnknownKey()  # counted against the client's address by the error handlers
     return tenant
 
 

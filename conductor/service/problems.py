@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -20,7 +21,8 @@ from starlette.formparsers import MultiPartException
 
 from conductor.batches import MAX_UPLOAD_FILENAME_CHARS
 from conductor.errors import Rejection
-from conductor.quotas import QuotaExceeded
+from conductor.quotas import QuotaExceeded, check_failed_lookup
+from conductor.settings import get_settings
 from conductor.store.db import driver_reason
 from conductor.submission import MAX_JSON_DEPTH, IdempotencyConflict, SubmissionError
 from conductor.workflow import MAX_REPORTED_ERRORS
@@ -58,6 +60,26 @@ class Problem(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(detail or title)
         self.status, self.title, self.detail, self.errors, self.headers = status, title, detail, errors, headers
+
+
+class UnknownKey(Problem):
+    """401: the bearer key sent is unknown or revoked. The error handlers count it against the client's
+    address (``unknown_key_refusal``)."""
+
+    def __init__(self) -> None:
+        super().__init__(401, "Unauthorized", "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def unknown_key_refusal(client: str | None) -> JSONResponse:
+    """The answer to an unknown key from ``client`` (an address; None when the server does not know it):
+    401, or 429 once that address has failed ``auth_failures_per_minute`` lookups (``check_failed_lookup``,
+    one Redis call: run it off the event loop)."""
+    try:
+        check_failed_lookup(client or "unknown", get_settings())
+    except QuotaExceeded as over:
+        return problem_response(429, over.title, over.detail, headers={"Retry-After": over.retry_after})
+    refused = UnknownKey()
+    return problem_response(refused.status, refused.title, refused.detail, headers=refused.headers)
 
 
 HTTP_STATUS: dict[Rejection, int] = {
@@ -159,7 +181,9 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
         return problem_response(429, exc.title, exc.detail, headers={"Retry-After": exc.retry_after})
 
     @app.exception_handler(Problem)
-    async def _problem(_: Request, exc: Problem) -> JSONResponse:
+    async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        if isinstance(exc, UnknownKey):
+            return await run_in_threadpool(unknown_key_refusal, request.client.host if request.client else None)
         return problem_response(exc.status, exc.title, exc.detail, exc.errors, exc.headers)
 
     @app.exception_handler(SubmissionError)

@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sqlmodel import Session
 
+from conductor.quotas import QuotaExceeded, check_failed_lookup
 from conductor.service.deps import JOB_ID_RE, SessionDep, SettingsDep, resolve_tenant
 from conductor.service.problems import Problem, problem_response, problems
 from conductor.service.trace_page import job_section
@@ -145,7 +146,7 @@ def login_form(next: Annotated[str, Query(max_length=MAX_NEXT_CHARS)] = "/ui/job
 
 
 @router.post("/login", response_class=HTMLResponse,
-             responses={**_responses(401, 403, 413, 422), 303: {"description": "signed in"}})
+             responses={**_responses(401, 403, 413, 422, 429), 303: {"description": "signed in"}})
 def login(
     request: Request,
     session: SessionDep,
@@ -165,7 +166,15 @@ def login(
         return RedirectResponse(_safe_next(next), status_code=303)
     signed_in = create_session(session, key=key.strip(), pepper=settings.api_key_pepper, ttl_s=COOKIE_MAX_AGE_S)
     session.commit()
-    if signed_in is None:
+    if signed_in is None:  # a failed lookup like the API's, counted against the address
+        try:
+            check_failed_lookup(request.client.host if request.client else "unknown", settings)
+        except QuotaExceeded as over:
+            refused = _page("login.html", 429, next=_safe_next(next), max_key=MAX_KEY_CHARS,
+                            error=f"Unknown or revoked API key, and too many from here: try again in "
+                                  f"{over.retry_after} s.")
+            refused.headers["Retry-After"] = over.retry_after
+            return refused
         return _page("login.html", 401, next=_safe_next(next), error="Unknown or revoked API key.",
                      max_key=MAX_KEY_CHARS)
     response = RedirectResponse(_safe_next(next), status_code=303)

@@ -1,0 +1,96 @@
+"""Failed API-key lookups are limited per client address (``CONDUCTOR_AUTH_FAILURES_PER_MINUTE``), counted
+in Redis once a lookup has failed: past the limit an unknown key is 429 with Retry-After instead of 401,
+while a valid key from the same address is still served and another address is not affected. Before, a
+client could send unknown keys as fast as the API answered. Real Postgres and Redis; the app in process
+(its whole ASGI stack, the client's address chosen per client), and a real uvicorn API for the address a
+TCP connection has."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from conductor.quotas import AUTH_FAILURES_BUCKET
+from conductor.ratelimit import KEY_PREFIX
+from conductor.service.app import create_app
+from conductor.settings import get_settings
+from tests.integration.conftest import new_key
+from tests.integration.harness import free_port, start_api
+
+FAILURES = 3
+
+
+def forget_failures(*addresses: str) -> None:
+    client = redis.Redis.from_url(get_settings().broker_url)
+    client.delete(*(KEY_PREFIX + AUTH_FAILURES_BUCKET + a for a in addresses))
+
+
+@pytest.fixture
+def limited(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("CONDUCTOR_AUTH_FAILURES_PER_MINUTE", str(FAILURES))
+    get_settings.cache_clear()
+    forget_failures("10.1.2.3", "10.9.9.9")
+    yield
+    monkeypatch.undo()  # (a test may have pointed the broker elsewhere)
+    get_settings.cache_clear()
+    forget_failures("10.1.2.3", "10.9.9.9")
+
+
+def at(address: str, key: str) -> TestClient:
+    return TestClient(create_app(), client=(address, 50000), headers={"Authorization": f"Bearer {key}"},
+                      raise_server_exceptions=False)
+
+
+def test_past_the_limit_an_unknown_key_is_429_and_a_valid_key_is_still_served(limited: None) -> None:
+    valid = new_key("auth-failures")
+    with at("10.1.2.3", "cq_unknown") as scanner, at("10.1.2.3", valid) as neighbour, \
+            at("10.9.9.9", "cq_unknown") as elsewhere:
+        for _ in range(FAILURES):
+            assert scanner.get("/v1/jobs").status_code == 401
+        refused = scanner.get("/v1/jobs")
+        assert refused.status_code == 429 and refused.headers["content-type"] == "application/problem+json"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "CONDUCTOR_AUTH_FAILURES_PER_MINUTE" in refused.json()["detail"], refused.text
+        # every way a key is looked up: an upload's (before its body), the OpenAI routes' (their shape),
+        # the viewer's sign-in (its page)
+        upload = scanner.post("/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": "batch"})
+        assert upload.status_code == 429, upload.text
+        chat = scanner.post("/v1/chat/completions", json={"model": "conductor", "messages": []})
+        assert chat.status_code == 429 and chat.json()["error"]["code"] == "rate_limit_exceeded", chat.text
+        login = scanner.post("/ui/login", data={"key": "cq_unknown"}, headers={"Authorization": ""})
+        assert login.status_code == 429 and "too many from here" in login.text and login.headers["retry-after"]
+        # never a valid key, from the same address; never another address; never a request with no key
+        assert neighbour.get("/v1/jobs").status_code == 200
+        assert elsewhere.get("/v1/jobs").status_code == 401
+        assert TestClient(create_app(), client=("10.1.2.3", 50000)).get("/v1/jobs").status_code == 401
+
+
+def test_with_redis_away_an_unknown_key_is_401_and_a_valid_key_served(limited: None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONDUCTOR_BROKER_URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    get_settings.cache_clear()
+    valid = new_key("auth-failures-redis-away")
+    with at("10.1.2.3", "cq_unknown") as scanner, at("10.1.2.3", valid) as neighbour:
+        for _ in range(FAILURES + 2):
+            assert scanner.get("/v1/jobs").status_code == 401  # not counted: no Redis, no 500
+        assert neighbour.get("/v1/jobs").status_code == 200
+
+
+def test_a_real_server_counts_the_connections_address(proc_env: dict[str, str]) -> None:
+    forget_failures("127.0.0.1")
+    proc, url = start_api({**proc_env, "CONDUCTOR_AUTH_FAILURES_PER_MINUTE": str(FAILURES)})
+    try:
+        valid = new_key("auth-failures-served")
+        with httpx.Client(base_url=url, timeout=30) as http:
+            statuses = [http.get("/v1/jobs", headers={"Authorization": "Bearer cq_unknown"}).status_code
+                        for _ in range(FAILURES + 1)]
+            assert statuses == [401] * FAILURES + [429]
+            assert http.get("/v1/jobs", headers={"Authorization": f"Bearer {valid}"}).status_code == 200
+        assert redis.Redis.from_url(get_settings().broker_url).exists(KEY_PREFIX + AUTH_FAILURES_BUCKET + "127.0.0.1")
+    finally:
+        proc.stop()
+        forget_failures("127.0.0.1")
