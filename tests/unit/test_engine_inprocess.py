@@ -203,7 +203,7 @@ def test_max_answer_tokens_cuts_the_answering_step_only(settings: Settings) -> N
     assert [st.finish_reason for st in steps] == ["stop", "stop", "length"]
     assert steps[0].output == f"[a] {long[0]}" and job.answer == steps[2].output == f"[c] {long[2]}"[:12]
     roots, _ = run(settings, workflow=workflow(["a", "b"], [[], []], long[:2]), limits={"max_answer_tokens": 3})
-    assert roots.answer == f"[b] {long[1]}"[:12]  # both roots claimed at once: only the last one is cut
+    assert roots.answer == f"[b] {long[1]}"[:12]  # each root's own claim reads the job's last index
 
     job, steps = run(settings, workflow=workflow(["conductor", "conductor"], [[], [0]], long[:2]),
                      limits={"max_answer_tokens": 3, "max_depth": 1})
@@ -212,6 +212,26 @@ def test_max_answer_tokens_cuts_the_answering_step_only(settings: Settings) -> N
     assert first[0].limits.get("max_answer_tokens") is None and first[1][-1].finish_reason == "stop"
     assert last[0].limits["max_answer_tokens"] == 3 and last[1][-1].finish_reason == "length"
     assert job.answer == last[0].answer and len(job.answer or "") <= 12
+
+
+def test_max_answer_tokens_cuts_only_the_last_root_claimed_with_the_plan(settings: Settings) -> None:
+    """Roots a worker's planning claims with the plan (``_claim_roots``, a ``Taker`` with a spare slot) are
+    rendered from the plan in memory, not read back by the claim statement: only the last of them answers."""
+    from conductor.engine import Taker, run_taken
+
+    long = ["write this at some length, please " * 3] * 2
+    job_id = submit(settings, workflow=workflow(["a", "b"], [[], []], long), limits={"max_answer_tokens": 3})
+    take = Taker(worker="host/w", task_id="task-x", settings=settings, runs=lambda *_: True, spare=lambda: 1,
+                 beside="host/alongside")
+    due = plan_job(job_id, settings=settings, take=take)
+    assert due.taken is not None and [due.taken.index, *(t.index for t in due.alongside)] == [0, 1]
+    assert due.steps == []  # both roots were claimed with the plan, none sent
+    for taken in [due.taken, *due.alongside]:
+        drain(run_taken(taken, settings=settings), settings)
+    job, steps = load(job_id)
+    assert job.status == JobStatus.SUCCEEDED, (job.error_type, job.error_message)
+    assert [st.finish_reason for st in steps] == ["stop", "length"]
+    assert steps[0].output == f"[a] {long[0]}" and job.answer == steps[1].output == f"[b] {long[1]}"[:12]
 
 
 def test_a_failed_child_job_fails_its_parent_step(settings: Settings) -> None:
