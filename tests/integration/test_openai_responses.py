@@ -360,7 +360,11 @@ def test_a_stream_refused_at_submission_gives_its_slot_back(api: str, workers: A
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}], stream=True)
         assert slots.zrange(STREAMS_KEY + tenant, 0, -1) == []
-        events = list(client.responses.create(model="conductor", input="x", stream=True))  # one admitted: held
+        stream = iter(client.responses.create(model="conductor/slow", input="x", stream=True))  # one admitted
+        first = next(stream)  # its job exists and its stream is open (the slow planner is still running)
+        assert first.type == "response.created"
+        assert len(slots.zrange(STREAMS_KEY + tenant, 0, -1)) == 1  # held while it is open
+        events = [first, *stream]
     assert events[-1].type == "response.completed"
     assert slots.zrange(STREAMS_KEY + tenant, 0, -1) == []  # and given back when it ended
 
