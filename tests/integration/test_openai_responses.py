@@ -174,9 +174,11 @@ def test_previous_response_id_must_be_a_completed_response_of_the_tenant(oai: op
                                                                           http: httpx.Client) -> None:
     done = oai.responses.create(model="conductor", input="mine")
     chat = oai.chat.completions.create(model="conductor", messages=[{"role": "user", "content": "x"}])
-    with (openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("tenant-responses-other"), max_retries=0) as other,
+    other_key = new_key("tenant-responses-other")
+    with (openai.OpenAI(base_url=f"{api}/v1", api_key=other_key, max_retries=0) as other,
           pytest.raises(openai.NotFoundError) as theirs):
-        other.responses.create(model="conductor", input="y", previous_response_id=done.id)
+        other.responses.create(model="conductor", input="y", previous_response_id=done.id,
+                               metadata={"chained": "refused"})
     for unknown in (theirs, *(_refused(oai, openai.NotFoundError, previous) for previous in (chat.id, "nope"))):
         assert unknown.value.code == "previous_response_not_found"
         assert unknown.value.param == "previous_response_id"
@@ -187,7 +189,11 @@ def test_previous_response_id_must_be_a_completed_response_of_the_tenant(oai: op
     oai.responses.cancel(running.id)
     cancelled = _refused(oai, openai.BadRequestError, running.id)
     assert "is cancelled" in cancelled.value.message and "no answer" in cancelled.value.message
-    assert http.get("/v1/jobs", params={"meta_key": "chained", "meta_value": "refused"}).json()["data"] == []
+    refused = {"meta_key": "chained", "meta_value": "refused"}
+    assert http.get("/v1/jobs", params=refused).json()["data"] == []
+    with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {other_key}"}, timeout=30) as theirs_http:
+        listed = theirs_http.get("/v1/jobs", params=refused)  # the other tenant's refused request made none either
+    assert listed.status_code == 200 and listed.json()["data"] == []
 
 
 def _refused(oai: openai.OpenAI, error: type[openai.APIStatusError], previous: str) -> Any:
