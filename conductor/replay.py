@@ -12,6 +12,11 @@ The rule, applied when the replay's workflow is written (``step_rows``):
   Everything else runs again. So steps before N are reused unless an ``agents`` override changed
   them, step N and every step that (transitively) reads it or a changed step run again, and a step
   after N that reads neither is reused.
+  With the job limit ``max_answer_tokens`` (a replay keeps the original's limits) one more condition:
+  the step is the last one (the answering step, whose output alone is cut to that cap) in both
+  workflows or in neither. Only ``replan`` can change that (a new plan of another length): the
+  original's uncapped middle step is not reused as the answer, nor its cut answer as a middle step's
+  output; the step runs again, and so does what reads it.
 
 Without ``replan`` the workflow is the original's with the ``agents`` overrides applied (source
 ``replay``); with ``replan`` the planner is asked again and the overrides are applied to its
@@ -210,14 +215,19 @@ def _reusable(session: Session, job: Job, wf: Workflow) -> dict[int, Step]:
     original = {st.index: st for st in store.get_steps(session, job_id=original_job.id)}
     before, now = PoolConfig.model_validate(original_job.pool_config), PoolConfig.model_validate(job.pool_config)
     return reusable(wf, original, from_step=job.replay_from_step,
-                    unchanged_agent=lambda agent: _same_agent(before, now, agent))
+                    unchanged_agent=lambda agent: _same_agent(before, now, agent),
+                    answer_capped=(job.limits or {}).get("max_answer_tokens") is not None)
 
 
 def reusable(
-    wf: Workflow, original: Mapping[int, Step], *, from_step: int, unchanged_agent: Callable[[str], bool]
+    wf: Workflow, original: Mapping[int, Step], *, from_step: int, unchanged_agent: Callable[[str], bool],
+    answer_capped: bool = False,
 ) -> dict[int, Step]:
-    """The reuse rule on its own: index -> original step, for the steps of ``wf`` that need not run again."""
+    """The reuse rule on its own: index -> original step, for the steps of ``wf`` that need not run again.
+    ``answer_capped`` (the job has ``max_answer_tokens``): a step is reused only if it is the last step
+    of both workflows or of neither."""
     reused: dict[int, Step] = {}
+    last_now, last_was = len(wf.steps) - 1, max(original, default=-1)
     for i, step in enumerate(wf.steps):
         was = original.get(i)
         access = wf.resolved_access(i)
@@ -228,6 +238,7 @@ def reusable(
             and (was.agent, was.instruction, was.access_list) == (step.agent, step.instruction, access)
             and unchanged_agent(step.agent)
             and all(d in reused for d in access)
+            and (not answer_capped or (i == last_now) == (i == last_was))
         ):
             reused[i] = was
     return reused

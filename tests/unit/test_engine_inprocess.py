@@ -234,6 +234,25 @@ def test_max_answer_tokens_cuts_only_the_last_root_claimed_with_the_plan(setting
     assert steps[0].output == f"[a] {long[0]}" and job.answer == steps[1].output == f"[b] {long[1]}"[:12]
 
 
+def test_a_replanned_replay_runs_again_a_step_that_now_answers_under_max_answer_tokens(settings: Settings) -> None:
+    """With ``max_answer_tokens`` the answering step's output is cut and the others' are not: a replan that
+    makes the original's middle step the last one does not reuse its uncapped output as the answer."""
+    from conductor.replay import ReplayRequest, create_replay
+
+    solve = "Solve the task and give the final answer."  # template:single's one step, on the pool's first agent
+    original, steps = run(settings, planner="template:single", limits={"max_answer_tokens": 3},
+                          workflow=workflow(["a", "b"], [[], [0]], [solve, "and now at some length, please"]))
+    assert original.status == JobStatus.SUCCEEDED
+    assert [st.finish_reason for st in steps] == ["stop", "length"] and steps[0].output == f"[a] {solve}"
+    with session_scope() as s:
+        replay_id = create_replay(s, original, ReplayRequest(from_step=1, replan=True), settings=settings).id
+    drain(Dispatch(plan=[replay_id]), settings)
+    job, [step] = load(replay_id)  # the new plan: step 0 alone, the original's step 0 but now answering
+    assert job.status == JobStatus.SUCCEEDED, (job.error_type, job.error_message)
+    assert step.reused_from is None and step.finish_reason == "length"
+    assert job.answer == f"[a] {solve}"[:12]
+
+
 def test_a_failed_child_job_fails_its_parent_step(settings: Settings) -> None:
     """The child inherits what is left of the token budget; its own step does not fit in it."""
     job, steps = run(settings, task="x" * 4000, planner="template:single",

@@ -72,6 +72,21 @@ def test_a_replanned_workflow_reuses_only_matching_steps() -> None:
     assert sorted(reusable(after, original(BEFORE), from_step=4, unchanged_agent=lambda _: True)) == [0, 1]
 
 
+def test_with_a_capped_answer_a_step_changing_role_runs_again() -> None:
+    """``max_answer_tokens`` cuts the last step's output only: a step is reused only if it answers in both
+    workflows or in neither (and what reads a step that runs again runs again)."""
+    shorter = workflow(["a", "b", "c"], [[], [0], [0, 1]])  # the original's steps 0-2; step 2 now answers
+    assert sorted(reusable(shorter, original(BEFORE), from_step=4, unchanged_agent=lambda _: True,
+                           answer_capped=True)) == [0, 1]
+    assert sorted(reusable(shorter, original(BEFORE), from_step=4, unchanged_agent=lambda _: True)) == [0, 1, 2]
+    longer = workflow(["a", "b", "c", "d", "a", "b"], [*ACCESS, [4]])  # the original's answer (4) is read by 5
+    assert sorted(reusable(longer, original(BEFORE), from_step=5, unchanged_agent=lambda _: True,
+                           answer_capped=True)) == [0, 1, 2, 3]
+    assert sorted(reusable(longer, original(BEFORE), from_step=5, unchanged_agent=lambda _: True)) == [0, 1, 2, 3, 4]
+    same = reusable(BEFORE, original(BEFORE), from_step=2, unchanged_agent=lambda _: True, answer_capped=True)
+    assert sorted(same) == [0, 1, 3]  # the same length: nothing changes role, the rule is as without a cap
+
+
 def test_a_replay_plans_the_original_workflow_under_the_limits_it_was_accepted_with() -> None:
     # accepted (202) with the original's own size; the server's limits lowered since must not fail it later
     pool = load_pool(TESTS / "pools" / "sim.yaml").model_dump(mode="json")
