@@ -26,6 +26,26 @@ def test_one_head_and_every_revision_reachable_from_it() -> None:
     assert reachable == every
 
 
+def test_every_column_change_goes_through_batch_alter_table() -> None:
+    """SQLite (the embedded store) cannot alter most of a table in place: alembic's ``batch_alter_table``
+    recreates it where needed. Every revision changes columns through it, as the earlier ones do: none calls
+    ``op.add_column``, ``op.drop_column`` or ``op.alter_column`` directly (those work on SQLite only for the
+    changes it can make in place)."""
+    import ast
+
+    versions = Path(alembic_config("sqlite://").get_main_option("script_location") or "") / "versions"
+    paths = sorted(versions.glob("0*.py"))
+    assert len(paths) >= 22, versions
+    direct = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "op"
+                    and node.func.attr in ("add_column", "drop_column", "alter_column")):
+                direct.append(f"{path.name}:{node.lineno} op.{node.func.attr}")
+    assert direct == [], "use `with op.batch_alter_table(table) as batch:` for these"
+
+
 def test_the_in_flight_index_covers_exactly_the_unfinished_statuses() -> None:
     import re
 

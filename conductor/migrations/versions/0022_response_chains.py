@@ -24,8 +24,10 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column("openai_response", sa.Column("previous_response_id", sa.String(64), nullable=True))
+    with op.batch_alter_table("openai_response") as batch:
+        batch.add_column(sa.Column("previous_response_id", sa.String(64), nullable=True))
 
 
 def downgrade() -> None:
-    op.drop_column("openai_response", "previous_response_id")
+    with op.batch_alter_table("openai_response") as batch:
+        batch.drop_column("previous_response_id")
