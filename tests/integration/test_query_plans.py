@@ -48,6 +48,11 @@ FROM generate_series(1, 400) AS i;
 INSERT INTO stored_file (id, tenant, purpose, filename, size_bytes, lines, content, created_at)
 SELECT 'file-' || md5('f' || i), 't', 'batch', 'in.jsonl', 2, 1, '\\x7b7d'::bytea, now() - i * interval '1 min'
 FROM generate_series(1, 3000) AS i;
+INSERT INTO step (job_id, index, agent, instruction, access_list, access_all, status, input_tokens, output_tokens,
+                  cost_usd, attempts, reserved_usd, reserved_tokens, resends, output)
+SELECT md5('j' || i), k, 'a', 'part ' || k, CASE WHEN k = 0 THEN '[]' ELSE jsonb_build_array(k - 1) END, false,
+       'succeeded', 10, 20, 0.001, 1, 0, 0, 0, 'out ' || k
+FROM generate_series(1, 4000) AS i, generate_series(0, 4) AS k;
 """
 
 
@@ -177,3 +182,26 @@ def _md5(text: str) -> str:
     import hashlib
 
     return hashlib.md5(text.encode()).hexdigest()
+
+
+
+def test_the_step_claim_reads_its_jobs_steps_by_index_and_its_last_index_from_the_key(engine: sa.Engine) -> None:
+    """The claim statement (``read_step_input``) reads the job's other steps in scalar subqueries (what
+    they spent and hold, how many wait, the last index — the answering step's —, the visible outputs):
+    each looks the job's rows up by ``job_id`` in an index, never scanning the step table; and the last
+    index is read from the end of ``uq_step_job_index`` (job_id, index), one entry, not by aggregating
+    the job's rows. Which of the two job_id indexes the sums use is the planner's choice (on this data
+    ``ix_step_job_id``): not pinned."""
+    [plan] = _plans(engine, lambda s: store.read_step_input(s, job_id=_md5("j7"), index=2))
+    shown = json.dumps(plan)
+    assert "step" not in _seq_scans(plan), shown
+    scans = [node for node in _nodes(plan) if node.get("Index Name") in ("uq_step_job_index", "ix_step_job_id")]
+    assert len(scans) >= 6, shown  # the claimed row, spent, spent_usd, unstarted, last, visible
+    assert all("job_id" in node["Index Cond"] for node in scans), shown
+    # the claimed row is read from uq_step_job_index too, by (job_id, index = ...): not that one
+    ends = [node for node in scans if node["Index Name"] == "uq_step_job_index"
+            and "index =" not in node["Index Cond"]]
+    assert ends, shown
+    limited = [node for node in _nodes(plan) if node["Node Type"] == "Limit"
+               and any(scan in ends for scan in _nodes(node))]
+    assert limited, shown  # max(index) as the key's last entry (a Limit 1 over the index), no Aggregate
