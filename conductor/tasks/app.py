@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from celery import Celery, bootsteps
+from celery.exceptions import CPendingDeprecationWarning
 from celery.signals import worker_init, worker_ready
 from kombu import Queue
 
@@ -79,6 +81,13 @@ def celery_config(settings: Settings) -> dict[str, object]:
                                      "max_connections": BROKER_MAX_CONNECTIONS},
         "result_backend_transport_options": {"visibility_timeout": visibility_timeout},
         "broker_connection_retry_on_startup": True,
+        # A worker that loses Redis keeps running its tasks and reconnects (conductor/tasks/transport.py
+        # keeps kombu's close of the lost connection from ending the process). Its running steps are not
+        # cancelled: each holds its claim and lease in Postgres, and its outcome is fenced by that claim, so
+        # cancelling would only throw away a call already paid for (and a thread cannot be cancelled). Its
+        # message, unacknowledged, is acknowledged once Redis is back, or delivered again after the
+        # visibility timeout and refused by the claim. Celery 6 turns this on by default: kept off here.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         # Publishing from the API must fail fast when Redis is down: the job is already committed and
         # the reconciler enqueues it later, so the client gets its 202 instead of a hung request.
         "task_publish_retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5},
@@ -128,6 +137,16 @@ def _size_db_pool(sender: object = None, **_: object) -> None:
 
 
 _sized_for: list[int] = []
+
+
+@worker_ready.connect
+def _quiet_connection_loss_notice(**_: object) -> None:
+    """Celery warns, at every loss of the broker connection, that Celery 6 will cancel running tasks then
+    (``CANCEL_TASKS_BY_DEFAULT``, nine lines), even with the setting chosen: it is chosen (off, in
+    ``celery_config``), so the notice is dropped. Added at ``worker_ready``, after Celery's logging set-up
+    put its own 'always' filters for its deprecation warnings first."""
+    warnings.filterwarnings("ignore", message=r"\s*In Celery 5\.1 we introduced an optional breaking change",
+                            category=CPendingDeprecationWarning)
 
 
 @worker_ready.connect
