@@ -821,6 +821,7 @@ RECONCILE_PROBLEMS = {
     "batches_error": "the batches could not be reconciled",
     "batches_failed": "some batches could not be ended",
     "metrics_rollup_error": "ended jobs could not be folded into the metrics rollup (scrapes read their rows)",
+    "database_away": "the database went away during the pass: is it (CONDUCTOR_DATABASE_URL) up?",
 }
 
 

@@ -38,6 +38,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from kombu.exceptions import OperationalError as BrokerAway
 from sqlmodel import Session
 
 from conductor.batches import reconcile_batches
@@ -45,7 +46,7 @@ from conductor.engine import Dispatch, advance, cancel_job, settle_from_children
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store import webhooks as webhook_store
-from conductor.store.db import session_scope
+from conductor.store.db import driver_reason, session_scope, unreachable
 from conductor.store.keys import delete_expired_sessions
 from conductor.store.metrics import roll_up_deliveries, roll_up_jobs
 from conductor.store.models import JobStatus, StepStatus, utcnow
@@ -94,7 +95,9 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
     for orphan in orphans:
         try:
             cancel_job(orphan)
-        except Exception:  # one orphan's fault must not cost the whole pass (every re-send below)
+        except Exception as exc:  # one orphan's fault must not cost the whole pass (every re-send below)
+            if unreachable(exc):
+                raise  # the database is away: so is the rest of the pass (the task logs it in one line)
             orphans_failed += 1
             log.exception("cancelling orphaned child job %s failed; retrying at the next pass", orphan)
     with session_scope() as s:
@@ -140,12 +143,16 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
     dispatch.webhooks += webhooks
     dispatch.steps += resend
     failed = 0
+    away = False
     for job_id in running:
         try:
             dispatch += settle_from_children(job_id)
             dispatch += advance(job_id)
-        except Exception:  # one job's fault must not cost the others their re-sends (sent by the caller)
+        except Exception as exc:  # one job's fault must not cost the others their re-sends (sent by the caller)
             failed += 1
+            if unreachable(exc):  # the database went away: the jobs after it wait for the next pass too
+                away = _database_away("reconciling running jobs", exc)
+                break
             log.exception("reconciling job %s failed; retrying at the next pass", job_id)
     report.update(
         never_enqueued=len(never),
@@ -162,25 +169,47 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
     if send is not None:
         try:
             send(dispatch)
-        except Exception:  # the broker is down: these are re-sent at a later pass (their backoff noted)
+        except BrokerAway as exc:  # Redis away: one line (kombu's OperationalError says why), no traceback
+            log.warning("the reconciler's re-sends are not sent (broker away: %s); a later pass sends them again",
+                        exc)
+            report["send_failed"] = True
+        except Exception:  # these are re-sent at a later pass (their backoff noted)
             log.exception("sending the reconciler's re-sends failed; a later pass sends them again")
             report["send_failed"] = True
+    if away:  # the housekeeping below would meet it too, each part after its own wait for a connection
+        report["database_away"] = True
+        return report, dispatch
     try:
         with session_scope() as s:
             report["expired_viewer_sessions"] = delete_expired_sessions(s, now=now)
-    except Exception:  # housekeeping: never worth the pass's re-sends
-        log.exception("deleting expired viewer sessions failed; retrying at the next pass")
+    except Exception as exc:  # housekeeping: never worth the pass's re-sends
+        _failed("deleting expired viewer sessions", exc)
     try:
         report.update(reconcile_batches())
-    except Exception:  # the dispatch gathered above must still be sent; the batches are retried next pass
-        log.exception("reconciling batches failed; retrying at the next pass")
+    except Exception as exc:  # the dispatch gathered above must still be sent; the batches are retried next pass
+        _failed("reconciling batches", exc)
         report["batches_error"] = True
     try:
         report.update(roll_up_metrics(settings, now=now))
-    except Exception:  # housekeeping: a batch not folded stays in the scrape's live rows until a later pass
-        log.exception("rolling up metrics failed; retrying at the next pass")
+    except Exception as exc:  # housekeeping: a batch not folded stays in the scrape's live rows until a later pass
+        _failed("rolling up metrics", exc)
         report["metrics_rollup_error"] = True
     return report, dispatch
+
+
+def _failed(what: str, exc: Exception) -> None:
+    """Logs a part of the pass that raised: in one line when the database is away (``unreachable``: the next
+    pass does it again), with its traceback otherwise."""
+    if unreachable(exc):
+        _database_away(what, exc)
+    else:
+        log.exception("%s failed; retrying at the next pass", what)
+
+
+def _database_away(what: str, exc: Exception) -> bool:
+    log.warning("%s: the database is away (%s: %s); the next pass does it", what, type(exc).__name__,
+                driver_reason(exc))
+    return True
 
 
 def roll_up_metrics(settings: Settings, *, now: datetime, budget_s: float = METRICS_ROLLUP_BUDGET_S,

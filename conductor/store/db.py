@@ -36,6 +36,25 @@ DATABASE_AWAY: tuple[type[Exception], ...] = (sa_exc.OperationalError, sa_exc.In
 no pooled connection free within the pool's timeout (a stalled database holding every connection). Work
 meeting one is left for a retry or the reconciler, never failed as a bug."""
 
+UNREACHABLE_SQLSTATES = ("57P01", "57P02", "57P03")
+"""Postgres's answers that it is going away or not there yet: admin shutdown (a stop, fast or immediate),
+crash shutdown, cannot connect now (starting up, shutting down). Class 08 (connection exception) counts too."""
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached now: a ``DATABASE_AWAY`` error that is not an SQL
+    error the server answered. True for no pooled connection within the pool's timeout, a connection lost
+    (SQLAlchemy invalidated it), refused or never answered (the driver gives no SQLSTATE), and the server's
+    shutdown and start-up answers; False for a deadlock, a lock or statement timeout, a serialization
+    failure — ``OperationalError`` too, but the work of a live server, which a caller that only logs an
+    outage must not hide."""
+    if not isinstance(exc, DATABASE_AWAY):
+        return False
+    if isinstance(exc, sa_exc.TimeoutError) or getattr(exc, "connection_invalidated", False):
+        return True
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in UNREACHABLE_SQLSTATES
+
 
 def in_id_order(id_column: Any, *where: Any) -> sa.ColumnElement[bool]:
     """``id IN (SELECT id … WHERE <where> ORDER BY id FOR NO KEY UPDATE)``: an ``UPDATE`` of several rows

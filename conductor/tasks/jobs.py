@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from kombu.exceptions import OperationalError as BrokerAway
 
 from conductor.engine import Dispatch, Taken, Taker, finalize_job, holding_taken, plan_job, run_step, run_taken
 from conductor.settings import Settings, get_settings
+from conductor.store.db import DATABASE_AWAY, driver_reason, unreachable
 from conductor.tasks.alongside import THREAD_PREFIX, local_slots
 from conductor.tasks.app import FINALIZE_TASK, PLAN_TASK, RECONCILE_TASK, RUN_STEP_TASK, STEPS_QUEUE, app
 from conductor.tasks.send import send, step_label
@@ -52,12 +54,32 @@ class _Slot:
                      spare=local_slots(settings.worker_local_slots).spare, beside=f"{self.hostname}/{THREAD_PREFIX}")
 
 
+@contextmanager
+def _database_away_is_logged(what: str, recovery: str) -> Iterator[None]:
+    """A task that meets Postgres away (``store.db.unreachable``: down, restarting, refusing, every pooled
+    connection busy) logs one warning line saying what it was doing and who recovers it, and ends, instead
+    of raising the error for Celery to log as "raised unexpected" with its traceback, at every task of an
+    outage. Ending is what raising did: the message is acknowledged either way (``task_acks_late`` acks a
+    failed task too), and what the task left is in the rows, which the reconciler re-drives (a job still
+    queued is re-sent, a planning whose heartbeat stopped re-driven, a step still queued re-sent, one
+    claimed re-sent when its lease lapses; docs/architecture.md, Recovery bounds). Any other error,
+    ``OperationalError`` from a live server included (a deadlock, a lock timeout), still raises."""
+    try:
+        yield
+    except DATABASE_AWAY as exc:
+        if not unreachable(exc):
+            raise
+        log.warning("%s: the database is away (%s: %s); %s", what, type(exc).__name__, driver_reason(exc), recovery)
+
+
 @app.task(name=PLAN_TASK, bind=True)
 def plan(self: Task, job_id: str) -> None:
     settings = get_settings()
     slot = _Slot.of(self)
     take = slot.taker(settings)
-    _run_on(slot, plan_job(job_id, settings=settings, take=take), take)
+    with _database_away_is_logged(f"task {slot.task_id} planning job {job_id}",
+                                  "the reconciler re-drives the job once it is back"):
+        _run_on(slot, plan_job(job_id, settings=settings, take=take), take)
 
 
 @app.task(name=RUN_STEP_TASK, bind=True)
@@ -65,8 +87,10 @@ def run_step_task(self: Task, job_id: str, index: int) -> None:
     settings = get_settings()
     slot = _Slot.of(self)
     take = slot.taker(settings)
-    _run_on(slot, run_step(job_id, index, worker=slot.worker(), task_id=slot.task_id, settings=settings,
-                           take=take), take)
+    with _database_away_is_logged(f"task {slot.task_id} running {step_label(job_id, index, None)}",
+                                  "the reconciler re-sends the step once it is back"):
+        _run_on(slot, run_step(job_id, index, worker=slot.worker(), task_id=slot.task_id, settings=settings,
+                               take=take), take)
 
 
 def _run_on(slot: _Slot, due: Dispatch, take: Taker | None = None) -> None:
@@ -150,9 +174,10 @@ def _run_beside(slot: _Slot, step: Taken) -> None:
     """A local slot's run of a step claimed beside its task's own: that step, and the chain it continues."""
     try:
         _run_on(slot, Dispatch(taken=step), slot.taker(get_settings()))
-    except Exception:
-        log.exception("task %s: the run of %s beside it raised", slot.task_id,
-                      step_label(step.job_id, step.index, step.agent))
+    except Exception as exc:
+        if not unreachable(exc):  # the database away: the task's own warning says it, without a traceback
+            log.exception("task %s: the run of %s beside it raised", slot.task_id,
+                          step_label(step.job_id, step.index, step.agent))
         raise
 
 
@@ -173,7 +198,12 @@ def _step_to_continue(due: Dispatch, consumed: frozenset[str], settings: Setting
 
 @app.task(name=FINALIZE_TASK, bind=True)
 def finalize(self: Task, job_id: str) -> None:
-    due = finalize_job(job_id)  # committed: what it made due is in the rows
+    due: Dispatch | None = None
+    with _database_away_is_logged(f"task {self.request.id} finalizing job {job_id}",
+                                  "the reconciler finalizes the job once it is back"):
+        due = finalize_job(job_id)  # committed: what it made due is in the rows
+    if due is None:
+        return
     try:
         send(due)
     except BrokerAway as exc:  # as _send_rest: the reconciler sends it (a step queued, a webhook due)
@@ -185,8 +215,10 @@ def finalize(self: Task, job_id: str) -> None:
 def reconcile(self: Task) -> dict[str, Any]:
     from conductor.reconcile import reconcile_once
 
-    report, _ = reconcile_once(get_settings(), send=send)  # sent before the pass's batch work
-    return report
+    with _database_away_is_logged("reconciler pass", "the next pass does its work"):
+        report, _ = reconcile_once(get_settings(), send=send)  # sent before the pass's batch work
+        return report
+    return {"database_away": True}
 
 
 __all__ = ["Dispatch", "finalize", "plan", "reconcile", "run_step_task"]

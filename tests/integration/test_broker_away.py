@@ -150,3 +150,31 @@ def test_a_finalize_message_whose_sends_find_the_broker_away_does_not_raise() ->
     with session_scope() as s:
         statuses = [st.status for st in store.get_steps(s, job_id=job.id)]
     assert statuses == ["succeeded", "queued"], statuses
+
+
+def test_a_reconciler_pass_whose_resends_find_the_broker_away_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """The pass gathers a plan never sent and cannot send it: one warning line, no traceback (it logged one at
+    every pass while Redis was away); the job stays owed, and a later pass sends it."""
+    import logging
+
+    import sqlalchemy as sa
+
+    from conductor.reconcile import reconcile_once
+    from conductor.tasks.send import send
+
+    settings = get_settings()
+    body = {"task": "reconcile away", "workflow": {"model_ids": ["a"], "subtasks": ["s"], "access_lists": [[]]}}
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate(body), tenant="broker-away", settings=settings)
+        # as the API leaves a submission whose publish failed: never enqueued, and past the pass's grace
+        s.execute(sa.text("UPDATE job SET enqueued_at = NULL, created_at = created_at - interval '1 minute' "
+                          "WHERE id = :j"), {"j": job.id})
+    with broker_away(), caplog.at_level(logging.WARNING, logger="conductor.reconcile"):
+        report, dispatch = reconcile_once(settings, send=send)
+    assert job.id in dispatch.plan and report["send_failed"]
+    records = [r for r in caplog.records if r.name == "conductor.reconcile"]
+    assert not [r for r in records if r.exc_info], "a traceback for the broker away"
+    assert [r.levelno for r in records] == [logging.WARNING], [r.getMessage() for r in records]
+    assert "broker away" in records[0].getMessage() and "Connection refused" in records[0].getMessage()
+    with session_scope() as s:  # still owed: the next pass finds it again
+        assert s.execute(sa.text("SELECT enqueued_at FROM job WHERE id = :j"), {"j": job.id}).scalar_one() is None
