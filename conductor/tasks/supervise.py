@@ -1,13 +1,12 @@
 """``conductor worker`` keeps its Celery worker alive.
 
-A Celery worker can exit on its own after a broker outage: kombu's Redis transport raises
-AttributeError ('NoneType' object has no attribute 'hostname') when a late ack meets a torn-down
-connection, and the worker stops as "Unrecoverable error" (kombu #582) — with exit code 0, because
-the shutdown itself fails the same way before the failure code is set. The work is safe (Postgres
-holds the state and the reconciler re-drives it), but a dead worker runs nothing. So the worker runs
-as a child process and is restarted, with backoff, whenever it exits without having been asked to:
-only a stop (SIGTERM/SIGINT to the supervisor, forwarded to the child as SIGTERM) ends both.
-"""
+The last resort for a Celery worker that exits on its own: a crash, the OOM killer, Celery giving up on the
+broker after ``broker_connection_max_retries``. Losing Redis no longer ends it (it exited as "Unrecoverable
+error", ``'NoneType' object has no attribute 'hostname'``, with code 0, until ``conductor/tasks/transport.py``
+kept its channel's pool parameters; docs/architecture.md, Worker supervision). The work is safe either way
+(Postgres holds the state and the reconciler re-drives it), but a dead worker runs nothing. So the worker
+runs as a child process and is restarted, with backoff, whenever it exits without having been asked to:
+only a stop (SIGTERM/SIGINT to the supervisor, forwarded to the child as SIGTERM) ends both."""
 
 from __future__ import annotations
 
