@@ -61,6 +61,26 @@ class Channel(kombu_redis.Channel):
             self._pool_params = dict(params)
         return params
 
+    def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> Any:
+        """kombu's, except that an acknowledgement on a detached channel (its connection lost, ``_connparams``)
+        that finds Redis still away is logged in one line instead of raising. A gevent worker acknowledges a
+        task the moment it ends (Celery's ``call_soon_ack`` without an event loop), so every step that ended
+        during an outage raised here, and kombu logged each as "Couldn't ack" with a traceback: up to a
+        thousand of them for a ``--concurrency 1000`` worker. Nothing more could be done with it: a Redis that
+        kept the message delivers it again after the visibility timeout, and its claim refuses the copy; one
+        that lost its data lost the message too. On an attached channel the error is kombu's and Celery's,
+        as before."""
+        try:
+            return super().basic_ack(delivery_tag, multiple=multiple)
+        except self.connection_errors as exc:
+            transport = self.connection
+            if transport is not None and transport.client is not None:
+                raise
+            log.warning("message %s: its acknowledgement is lost with the broker connection (%r); a Redis that "
+                        "kept the message delivers it again after the visibility timeout, and its claim refuses it",
+                        delivery_tag, exc)
+            return None
+
     def queue_delete(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         """kombu's, except that a channel closing with Redis away leaves the binding of its auto-delete queue
         behind instead of raising. Celery's gossip and remote-control consumers each close such a channel
