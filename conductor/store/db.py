@@ -36,9 +36,10 @@ DATABASE_AWAY: tuple[type[Exception], ...] = (sa_exc.OperationalError, sa_exc.In
 no pooled connection free within the pool's timeout (a stalled database holding every connection). Work
 meeting one is left for a retry or the reconciler, never failed as a bug."""
 
-UNREACHABLE_SQLSTATES = ("57P01", "57P02", "57P03")
+UNREACHABLE_SQLSTATES = ("57P01", "57P02", "57P03", "53300")
 """Postgres's answers that it is going away or not there yet: admin shutdown (a stop, fast or immediate),
-crash shutdown, cannot connect now (starting up, shutting down). Class 08 (connection exception) counts too."""
+crash shutdown, cannot connect now (starting up, shutting down), and too many connections (every process
+reconnecting at once after a restart, until their pools settle). Class 08 (connection exception) counts too."""
 
 
 def unreachable(exc: BaseException) -> bool:
