@@ -185,8 +185,8 @@ class KeyBeforeBody:
                     await run_in_threadpool(_known_key, settings, authorization)
             except UnknownKey:
                 client = scope.get("client")
-                await (await run_in_threadpool(unknown_key_refusal, client[0] if client else None))(
-                    scope, receive, send)
+                await (await run_in_threadpool(unknown_key_refusal, client[0] if client else None,
+                                               scope["path"]))(scope, receive, send)
                 return
             except Problem as refused:
                 response = problem_response(refused.status, refused.title, refused.detail, headers=refused.headers)

@@ -20,12 +20,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conductor.openai_wire import ErrorDetail, ErrorDocument
-from conductor.service.problems import PROBLEM
+from conductor.service.problems import NO_RETRY, OPENAI_PATHS, PROBLEM, is_openai_path
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/files", "/v1/batches")
-NO_RETRY = {"x-should-retry": "false"}
-"""The official clients retry 408, 409, 429 and 5xx unless told not to; a retried chat completion would
-start a second job."""
+__all__ = ["NO_RETRY", "OPENAI_PATHS", "is_openai_path"]  # (defined beside the problems, which need them)
 
 _TYPES = {401: "invalid_request_error", 403: "permission_error", 429: "rate_limit_error"}
 _CODES = {
@@ -37,10 +34,6 @@ _CODES = {
     429: "rate_limit_exceeded",
     503: "service_unavailable",
 }
-
-
-def is_openai_path(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
 
 
 class OpenAIError(Exception):

@@ -30,6 +30,15 @@ from conductor.workflow import MAX_REPORTED_ERRORS
 log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
 REF = "#/components/schemas/"
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/files", "/v1/batches")
+"""The OpenAI-compatible routes, answered in OpenAI's error shape (``openai_errors``)."""
+NO_RETRY = {"x-should-retry": "false"}
+"""The official clients retry 408, 409, 429 and 5xx unless told not to; a retried chat completion would
+start a second job."""
+
+
+def is_openai_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
 
 
 class FieldProblem(BaseModel):
@@ -70,15 +79,22 @@ class UnknownKey(Problem):
         super().__init__(401, "Unauthorized", "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def unknown_key_refusal(client: str | None) -> JSONResponse:
-    """The answer to an unknown key from ``client`` (an address; None when the server does not know it):
-    401, or 429 once that address has failed ``auth_failures_per_minute`` lookups (``check_failed_lookup``,
-    one Redis call: run it off the event loop)."""
+def unknown_key_refusal(client: str | None, path: str) -> JSONResponse:
+    """The answer to an unknown key from ``client`` (an address; None when the server does not know it)
+    to ``path``: 401, or once that address has failed ``auth_failures_per_minute`` lookups
+    (``check_failed_lookup``, one Redis call: run it off the event loop) 429 with Retry-After. On the
+    OpenAI routes that is still 401 (``invalid_api_key`` in their shape), saying why and for how long, with
+    Retry-After and ``x-should-retry: false``: the official SDK retries every 429, so a 429 made a wrong key
+    cost more failed lookups and a wait, and ended in RateLimitError instead of AuthenticationError."""
+    refused = UnknownKey()
     try:
         check_failed_lookup(client or "unknown", get_settings())
     except QuotaExceeded as over:
+        if is_openai_path(path):
+            return problem_response(refused.status, over.title, f"{refused.detail}, and too many failed key "
+                                    f"lookups from this address: {over.detail}", headers={
+                                        **(refused.headers or {}), "Retry-After": over.retry_after, **NO_RETRY})
         return problem_response(429, over.title, over.detail, headers={"Retry-After": over.retry_after})
-    refused = UnknownKey()
     return problem_response(refused.status, refused.title, refused.detail, headers=refused.headers)
 
 
@@ -183,7 +199,8 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> JSONResponse:
         if isinstance(exc, UnknownKey):
-            return await run_in_threadpool(unknown_key_refusal, request.client.host if request.client else None)
+            return await run_in_threadpool(unknown_key_refusal, request.client.host if request.client else None,
+                                           request.url.path)
         return problem_response(exc.status, exc.title, exc.detail, exc.errors, exc.headers)
 
     @app.exception_handler(SubmissionError)

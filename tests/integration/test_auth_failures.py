@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -55,12 +56,14 @@ def test_past_the_limit_an_unknown_key_is_429_and_a_valid_key_is_still_served(li
         assert refused.status_code == 429 and refused.headers["content-type"] == "application/problem+json"
         assert int(refused.headers["retry-after"]) >= 1
         assert "CONDUCTOR_AUTH_FAILURES_PER_MINUTE" in refused.json()["detail"], refused.text
-        # every way a key is looked up: an upload's (before its body), the OpenAI routes' (their shape),
-        # the viewer's sign-in (its page)
+        # every way a key is looked up: an upload's (before its body), the OpenAI routes' (their shape: a
+        # 401 the SDK does not retry, saying why), the viewer's sign-in (its page)
         upload = scanner.post("/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": "batch"})
-        assert upload.status_code == 429, upload.text
+        assert upload.status_code == 401 and upload.headers["retry-after"], upload.text
+        assert "too many failed key lookups" in upload.json()["error"]["message"], upload.text
         chat = scanner.post("/v1/chat/completions", json={"model": "conductor", "messages": []})
-        assert chat.status_code == 429 and chat.json()["error"]["code"] == "rate_limit_exceeded", chat.text
+        assert chat.status_code == 401 and chat.json()["error"]["code"] == "invalid_api_key", chat.text
+        assert chat.headers["x-should-retry"] == "false" and chat.headers["retry-after"], chat.text
         login = scanner.post("/ui/login", data={"key": "cq_unknown"}, headers={"Authorization": ""})
         assert login.status_code == 429 and "too many from here" in login.text and login.headers["retry-after"]
         # never a valid key, from the same address; never another address; never a request with no key
@@ -94,3 +97,29 @@ def test_a_real_server_counts_the_connections_address(proc_env: dict[str, str]) 
     finally:
         proc.stop()
         forget_failures("127.0.0.1")
+
+
+def test_the_openai_sdk_past_the_limit_gets_authentication_error_after_one_request(limited: None) -> None:
+    """The official SDK retries a 429 (waiting for its Retry-After), so answering the OpenAI routes' failed
+    lookups past the limit with 429 made a wrong key cost more failed lookups and end in RateLimitError:
+    there it is 401 invalid_api_key (AuthenticationError, never retried) saying why and when."""
+    sent: list[str] = []
+    with at("10.1.2.3", "cq_unknown") as http:
+        http.event_hooks["request"].append(lambda request: sent.append(request.url.path))
+        # the SDK as a user has it: max_retries left at its default
+        with openai.OpenAI(base_url="http://testserver/v1", api_key="cq_unknown", http_client=http) as client:
+            for _ in range(FAILURES):
+                with pytest.raises(openai.AuthenticationError):
+                    client.models.list()
+            sent.clear()
+            with pytest.raises(openai.AuthenticationError) as refused:
+                client.chat.completions.create(model="conductor", messages=[{"role": "user", "content": "hi"}])
+    assert sent == ["/v1/chat/completions"]  # one request: not retried
+    response = refused.value.response
+    assert response.status_code == 401 and refused.value.code == "invalid_api_key", response.text
+    assert response.headers["x-should-retry"] == "false" and int(response.headers["retry-after"]) >= 1
+    message = response.json()["error"]["message"]
+    assert "too many failed key lookups" in message.lower() and "CONDUCTOR_AUTH_FAILURES_PER_MINUTE" in message
+    # the REST routes keep their 429 problem
+    with at("10.1.2.3", "cq_unknown") as rest:
+        assert rest.get("/v1/jobs").status_code == 429
