@@ -7,12 +7,17 @@ The submit rate and the open streams are counted in Redis (the broker's), so eve
 If Redis cannot be reached those two quotas are not enforced (logged): the API keeps accepting work,
 as it does when the broker is down. Jobs in flight are checked in Postgres under a per-tenant lock,
 against one row per tenant that triggers on ``job`` keep (``store.count_jobs_in_flight``).
+
+One limit here is per client address, not per tenant: failed API-key lookups (``check_failed_lookup``),
+counted after the lookup, so it tells a client to stop sending wrong keys without saving the server
+anything per request.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -77,15 +82,20 @@ def check_submit_rate(tenant: str, settings: Settings) -> None:
 
 
 AUTH_FAILURES_BUCKET = "authfail:"
+_warned_at: dict[str, float] = {}
+"""When this process last logged an address past ``auth_failures_per_minute`` (one line a minute each)."""
+MAX_WARNED_ADDRESSES = 10_000
 
 
 def check_failed_lookup(client: str, settings: Settings) -> None:
     """Counts one failed API-key lookup from the address ``client`` (``auth_failures_per_minute``); raises
-    QuotaExceeded once that address has used its failures up. Called only after a lookup failed, so a valid
-    key is never refused (an address may be shared: a NAT, a proxy). Keys are 256-bit random, so this is
-    not what keeps them from being guessed: it slows a client that keeps sending a wrong one (a revoked key
-    in a loop, a scan) and tells it to stop. With Redis away the failure is not counted (logged): a plain
-    401, as before."""
+    QuotaExceeded once that address has used its failures up, and logs a warning for it (once a minute per
+    address and API process). Called only after the lookup has failed, never before one: a valid key is
+    never refused (an address may be shared: a NAT, a proxy), and a client past the limit still costs the
+    server a key lookup (one indexed query) per request, as it did before. What it does is tell a client
+    that keeps sending a wrong key (a revoked key in a loop, a scan) to stop, with Retry-After, and show it
+    in the logs; it is not what keeps keys from being guessed (they are 256-bit random: guessing is hopeless
+    anyway). With Redis away the failure is not counted (logged): a plain 401, as before."""
     if not settings.auth_failures_per_minute or not _uses_redis(settings):
         return
     try:
@@ -97,6 +107,14 @@ def check_failed_lookup(client: str, settings: Settings) -> None:
                     type(cause).__name__, cause)
         return
     if wait > 0:
+        now = time.monotonic()
+        if now - _warned_at.get(client, -math.inf) >= 60:
+            if len(_warned_at) >= MAX_WARNED_ADDRESSES:
+                _warned_at.clear()
+            _warned_at[client] = now
+            log.warning("too many failed key lookups from %s (over %d a minute, CONDUCTOR_AUTH_FAILURES_PER_MINUTE): "
+                        "its unknown keys are refused with Retry-After (logged once a minute per address)",
+                        client, settings.auth_failures_per_minute)
         raise QuotaExceeded(
             "Too many failed key lookups",
             f"this address sent an unknown or revoked API key more than {settings.auth_failures_per_minute} "

@@ -1,12 +1,14 @@
 """Failed API-key lookups are limited per client address (``CONDUCTOR_AUTH_FAILURES_PER_MINUTE``), counted
 in Redis once a lookup has failed: past the limit an unknown key is 429 with Retry-After instead of 401,
-while a valid key from the same address is still served and another address is not affected. Before, a
-client could send unknown keys as fast as the API answered. Real Postgres and Redis; the app in process
+while a valid key from the same address is still served and another address is not affected. It tells such
+a client to stop and logs it; each request is still looked up (a refusal before the lookup could lock out a
+valid key behind the same address). Real Postgres and Redis; the app in process
 (its whole ASGI stack, the client's address chosen per client), and a real uvicorn API for the address a
 TCP connection has."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
+from conductor import quotas
 from conductor.quotas import AUTH_FAILURES_BUCKET
 from conductor.ratelimit import KEY_PREFIX
 from conductor.service.app import create_app
@@ -70,6 +73,16 @@ def test_past_the_limit_an_unknown_key_is_429_and_a_valid_key_is_still_served(li
         assert neighbour.get("/v1/jobs").status_code == 200
         assert elsewhere.get("/v1/jobs").status_code == 401
         assert TestClient(create_app(), client=("10.1.2.3", 50000)).get("/v1/jobs").status_code == 401
+
+
+def test_an_address_past_the_limit_is_logged_once_a_minute(limited: None, caplog: pytest.LogCaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quotas, "_warned_at", {}, raising=False)  # (this process logged none yet)
+    with at("10.1.2.3", "cq_unknown") as scanner, caplog.at_level(logging.WARNING, logger="conductor.quotas"):
+        statuses = [scanner.get("/v1/jobs").status_code for _ in range(FAILURES + 3)]
+    assert statuses == [401] * FAILURES + [429] * 3
+    warned = [r.getMessage() for r in caplog.records if "too many failed key lookups" in r.getMessage()]
+    assert len(warned) == 1 and "10.1.2.3" in warned[0], warned
 
 
 def test_with_redis_away_an_unknown_key_is_401_and_a_valid_key_served(limited: None,
