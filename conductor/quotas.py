@@ -15,6 +15,7 @@ anything per request.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import time
@@ -87,20 +88,38 @@ _warned_at: dict[str, float] = {}
 MAX_WARNED_ADDRESSES = 10_000
 
 
+def failed_lookup_bucket(client: str) -> str:
+    """The bucket an address's failed lookups count in: an IPv4 address itself (an IPv4-mapped IPv6 one,
+    ``::ffff:a.b.c.d``, as that IPv4 address: a dual-stack socket reports IPv4 clients so), an IPv6 address
+    by its /64 (one subscriber's usual allocation: a bucket per address would give its holder 2^64 of
+    them), anything else (``unknown``, a name) as it is."""
+    try:
+        address = ipaddress.ip_address(client.strip("[]"))
+    except ValueError:
+        return client
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
 def check_failed_lookup(client: str, settings: Settings) -> None:
-    """Counts one failed API-key lookup from the address ``client`` (``auth_failures_per_minute``); raises
-    QuotaExceeded once that address has used its failures up, and logs a warning for it (once a minute per
-    address and API process). Called only after the lookup has failed, never before one: a valid key is
-    never refused (an address may be shared: a NAT, a proxy), and a client past the limit still costs the
-    server a key lookup (one indexed query) per request, as it did before. What it does is tell a client
-    that keeps sending a wrong key (a revoked key in a loop, a scan) to stop, with Retry-After, and show it
-    in the logs; it is not what keeps keys from being guessed (they are 256-bit random: guessing is hopeless
-    anyway). With Redis away the failure is not counted (logged): a plain 401, as before."""
+    """Counts one failed API-key lookup from the address ``client`` (``auth_failures_per_minute``) in its
+    bucket (``failed_lookup_bucket``: an IPv6 address's /64); raises QuotaExceeded once that bucket has used
+    its failures up, and logs a warning for it (once a minute per bucket and API process). Called only
+    after the lookup has failed, never before one: a valid key is never refused (an address may be shared:
+    a NAT, a proxy), and a client past the limit still costs the server a key lookup (one indexed query)
+    per request, as it did before. What it does is tell a client that keeps sending a wrong key (a revoked
+    key in a loop, a scan) to stop, with Retry-After, and show it in the logs; it is not what keeps keys
+    from being guessed (they are 256-bit random: guessing is hopeless anyway). With Redis away the failure
+    is not counted (logged): a plain 401, as before."""
     if not settings.auth_failures_per_minute or not _uses_redis(settings):
         return
+    bucket = failed_lookup_bucket(client)
     try:
         wait = get_limiter(settings.broker_url).try_take(
-            AUTH_FAILURES_BUCKET + client, per_minute=settings.auth_failures_per_minute)
+            AUTH_FAILURES_BUCKET + bucket, per_minute=settings.auth_failures_per_minute)
     except RateLimiterUnavailable as exc:
         cause = exc.__cause__ or exc
         log.warning("failed key lookups not counted: their Redis cannot be reached (%s: %s); answered 401",
@@ -108,13 +127,13 @@ def check_failed_lookup(client: str, settings: Settings) -> None:
         return
     if wait > 0:
         now = time.monotonic()
-        if now - _warned_at.get(client, -math.inf) >= 60:
+        if now - _warned_at.get(bucket, -math.inf) >= 60:
             if len(_warned_at) >= MAX_WARNED_ADDRESSES:
                 _warned_at.clear()
-            _warned_at[client] = now
+            _warned_at[bucket] = now
             log.warning("too many failed key lookups from %s (over %d a minute, CONDUCTOR_AUTH_FAILURES_PER_MINUTE): "
                         "its unknown keys are refused with Retry-After (logged once a minute per address)",
-                        client, settings.auth_failures_per_minute)
+                        bucket, settings.auth_failures_per_minute)
         raise QuotaExceeded(
             "Too many failed key lookups",
             f"this address sent an unknown or revoked API key more than {settings.auth_failures_per_minute} "
@@ -297,6 +316,7 @@ __all__ = [
     "check_jobs_in_flight",
     "check_submit_rate",
     "close_stream",
+    "failed_lookup_bucket",
     "in_flight_refusal",
     "lapsed_stream_message",
     "open_stream",

@@ -26,6 +26,7 @@ from tests.integration.conftest import new_key
 from tests.integration.harness import free_port, start_api
 
 FAILURES = 3
+ADDRESSES = ("10.1.2.3", "10.9.9.9", "2001:db8:1:2::/64", "2001:db8:1:3::/64")
 
 
 def forget_failures(*addresses: str) -> None:
@@ -37,11 +38,11 @@ def forget_failures(*addresses: str) -> None:
 def limited(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("CONDUCTOR_AUTH_FAILURES_PER_MINUTE", str(FAILURES))
     get_settings.cache_clear()
-    forget_failures("10.1.2.3", "10.9.9.9")
+    forget_failures(*ADDRESSES)
     yield
     monkeypatch.undo()  # (a test may have pointed the broker elsewhere)
     get_settings.cache_clear()
-    forget_failures("10.1.2.3", "10.9.9.9")
+    forget_failures(*ADDRESSES)
 
 
 def at(address: str, key: str) -> TestClient:
@@ -83,6 +84,19 @@ def test_an_address_past_the_limit_is_logged_once_a_minute(limited: None, caplog
     assert statuses == [401] * FAILURES + [429] * 3
     warned = [r.getMessage() for r in caplog.records if "too many failed key lookups" in r.getMessage()]
     assert len(warned) == 1 and "10.1.2.3" in warned[0], warned
+
+
+def test_an_ipv6_64_is_one_bucket_and_an_ipv4_mapped_address_its_ipv4_one(limited: None) -> None:
+    for n in range(FAILURES):  # each from another address of one /64
+        with at(f"2001:db8:1:2::{n + 1:x}", "cq_unknown") as one:
+            assert one.get("/v1/jobs").status_code == 401
+    with at("2001:db8:1:2:ffff::9", "cq_unknown") as same_64, at("2001:db8:1:3::1", "cq_unknown") as next_64:
+        assert same_64.get("/v1/jobs").status_code == 429
+        assert next_64.get("/v1/jobs").status_code == 401
+    with at("::ffff:10.1.2.3", "cq_unknown") as mapped, at("10.1.2.3", "cq_unknown") as plain:
+        for _ in range(FAILURES):
+            assert mapped.get("/v1/jobs").status_code == 401
+        assert plain.get("/v1/jobs").status_code == 429
 
 
 def test_with_redis_away_an_unknown_key_is_401_and_a_valid_key_served(limited: None,
