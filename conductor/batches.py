@@ -50,10 +50,12 @@ MAX_CUSTOM_ID_CHARS = 512
 MAX_FILENAME_CHARS = 255
 """A batch input file's name is stored cut to this."""
 MAX_UPLOAD_FILENAME_CHARS = 1_000
-"""The longest file name ``POST /v1/files`` takes (longer: refused, 400 ``param: file``). Within it every name
-is read: the file part's ``Content-Disposition`` header carries it, at most 4 bytes a character, and the
-multipart parser (python-multipart) refuses a header line over 4,224 bytes, which Starlette reports only
-as "Invalid multipart data."."""
+"""The longest file name ``POST /v1/files`` takes (longer: refused, 400 ``param: file``), the route's own check of
+the names the parser reads. A plain ``filename=`` within it always is (at most 4 bytes a character), but
+the multipart parser (python-multipart) refuses any part's header line over 4,224 bytes before the route
+sees it, and an RFC 2231 ``filename*=`` percent-encodes each byte in three: such a name of ~350 characters
+is refused there already, as the parser's refusal (``problems.unreadable_form``), which names the header
+line, not this limit."""
 
 
 class BatchFileError(ValueError):

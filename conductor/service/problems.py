@@ -14,12 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import DEFAULT_MAX_HEADER_SIZE
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
-from conductor.batches import MAX_UPLOAD_FILENAME_CHARS
 from conductor.errors import Rejection
 from conductor.quotas import QuotaExceeded, check_failed_lookup
 from conductor.settings import get_settings
@@ -139,6 +139,11 @@ MISSING_BOUNDARY = "Missing boundary in multipart."
 """Starlette's 400 for a multipart body whose Content-Type names no boundary."""
 HEADER_TOO_LONG = "Maximum header size exceeded"
 """python-multipart's refusal of a part's header line past its limit (Starlette: "Invalid multipart data.")."""
+MAX_PART_HEADER_LINE_BYTES = DEFAULT_MAX_HEADER_SIZE
+"""python-multipart's limit on one header line of a part (4,224 bytes; Starlette keeps its default). Any
+line past it is refused, whichever it is: a long file name in ``Content-Disposition`` (an RFC 2231
+``filename*`` percent-encodes each byte in three: ~350 characters), a long field name, a long
+``Content-Type``; the parser does not say which part."""
 
 
 def unreadable_form(exc: StarletteHTTPException) -> tuple[tuple[str, ...], str] | None:
@@ -157,9 +162,9 @@ def unreadable_form(exc: StarletteHTTPException) -> tuple[tuple[str, ...], str] 
                            "'multipart/form-data; boundary=...' as the body's parts use it (an HTTP client's "
                            "files=/data= builds both; a Content-Type header set by hand loses the boundary)")
     if any(isinstance(c, FormParserError) and HEADER_TOO_LONG in str(c) for c in causes):
-        return ("body", "file"), (f"a part's header is longer than the multipart parser reads (4,224 bytes): the "
-                                  f"file's name is too long; it may be at most {MAX_UPLOAD_FILENAME_CHARS:,} "
-                                  f"characters (MAX_UPLOAD_FILENAME_CHARS)")
+        return ("body",), (f"a part's header line is over {MAX_PART_HEADER_LINE_BYTES:,} bytes (for instance the "
+                           "file's name): the multipart parser reads no longer line; shorten the part's name, "
+                           "file name or Content-Type")
     return ("body",), (f"the multipart body could not be parsed ({exc.detail}): send multipart/form-data as an "
                        "HTTP client's files=/data= builds it")
 

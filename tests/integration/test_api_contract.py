@@ -263,18 +263,33 @@ def test_an_upload_whose_multipart_body_cannot_be_parsed_is_refused_naming_the_c
     and one whose file name is ~5,000 characters python-multipart's 'Invalid multipart data.' (a part's
     header line is at most 4,224 bytes): neither said what to send. Now they are the validation refusal
     (400 in the OpenAI shape on /v1/files, as every refused body there; 422 problem+json elsewhere) saying
-    why; a name past MAX_UPLOAD_FILENAME_CHARS that the parser reads is refused alike, one within it kept."""
+    why: the parser's refusal names any part's header line over its limit (a long name is one cause, a
+    percent-encoded filename* or a long field name others), not the route's own 1,000-character name limit,
+    which a name the parser reads is refused by; a name within it is kept."""
     r = client.post("/v1/files", content=b"--x\r\n\r\n--x--\r\n", headers={"Content-Type": "multipart/form-data"})
     assert r.status_code == 400 and "names no boundary" in r.json()["error"]["message"], r.text
     r = client.post("/ui/login", content=b"--x\r\n\r\n--x--\r\n", headers={"Content-Type": "multipart/form-data"})
     assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text
     assert "names no boundary" in r.json()["detail"] and r.json()["errors"][0]["loc"] == ["body"], r.text
     line = b'{"custom_id": "a", "method": "POST", "url": "/v1/jobs", "body": {"task": "t"}}\n'
-    for name in ("x" * 5_000 + ".jsonl", "\u00e9" * 1_500 + ".jsonl", "x" * 1_001):  # past the parser; past ours
+    over_the_line = "a part's header line is over 4,224 bytes (for instance the file's name)"
+    r = client.post("/v1/files", files={"file": ("x" * 5_000 + ".jsonl", line)}, data={"purpose": "batch"})
+    assert r.status_code == 400 and over_the_line in r.json()["error"]["message"], r.text  # past the parser
+    assert "1,000" not in r.json()["error"]["message"], r.text  # (not the route's own figure: not its check)
+    # any part's header line, not only a long name: an RFC 2231 filename* of 360 characters (12 bytes each,
+    # percent-encoded), a field's name of 5,000 characters
+    encoded = "%F0%9F%98%80" * 360
+    body = (b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--b\r\n"
+            b"Content-Disposition: form-data; name=\"file\"; filename*=UTF-8''" + encoded.encode() +
+            b"\r\nContent-Type: application/jsonl\r\n\r\n" + line + b"\r\n--b--\r\n")
+    r = client.post("/v1/files", content=body, headers={"Content-Type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 400 and over_the_line in r.json()["error"]["message"], r.text
+    r = client.post("/v1/files", files={"file": ("a.jsonl", line)}, data={"purpose": "batch", "p" * 5_000: "x"})
+    assert r.status_code == 400 and over_the_line in r.json()["error"]["message"], r.text
+    for name in ("\u00e9" * 1_500 + ".jsonl", "x" * 1_001):  # read by the parser, past ours
         r = client.post("/v1/files", files={"file": (name, line)}, data={"purpose": "batch"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "file", (len(name), r.text)
-        assert "at most 1,000 characters" in r.json()["error"]["message"] or "at most 1,000 (" in \
-            r.json()["error"]["message"], r.text
+        assert "it may be at most 1,000 (MAX_UPLOAD_FILENAME_CHARS)" in r.json()["error"]["message"], r.text
     r = client.post("/v1/files", files={"file": ("\u00e9" * 1_000, line)}, data={"purpose": "batch"})
     assert r.status_code == 200 and r.json()["filename"] == "\u00e9" * 255, r.text  # kept, cut to 255
     with httpx.Client(base_url=api, timeout=30) as anonymous:  # and still: no key, 401 before any of it

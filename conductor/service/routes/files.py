@@ -82,7 +82,7 @@ def upload_file(
     filename = file.filename or "batch.jsonl"
     if unstorable(filename):
         raise OpenAIError(400, f"filename {unstorable(filename)}", param="file", code="invalid_filename")
-    if len(filename) > MAX_UPLOAD_FILENAME_CHARS:  # (longer still, the multipart parser refuses it: the same 400)
+    if len(filename) > MAX_UPLOAD_FILENAME_CHARS:  # (a header line past 4,224 bytes: the parser's own 400)
         raise OpenAIError(400, f"the file's name is {len(filename):,} characters; it may be at most "
                           f"{MAX_UPLOAD_FILENAME_CHARS:,} (MAX_UPLOAD_FILENAME_CHARS)", param="file",
                           code="invalid_filename")
