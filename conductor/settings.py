@@ -38,15 +38,41 @@ LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
 """The hosts a server with ``auth_required`` off answers to unless ``allowed_hosts`` says otherwise."""
 
 
+PORT_SUFFIX = re.compile(r"(:[0-9]*)?")
+"""What may follow a Host's name or bracketed IPv6 literal: nothing, or ``:`` and a port (RFC 3986: digits)."""
+
+
 def host_name(host: str) -> str:
     """The name in a ``Host`` header value (or an ``allowed_hosts`` entry), lowercased, without its port,
-    brackets or trailing dot: ``[::1]:8000`` -> ``::1``, ``LocalHost.:80`` -> ``localhost``."""
+    brackets or trailing dot: ``[::1]:8000`` -> ``::1``, ``LocalHost.:80`` -> ``localhost``. ``""`` (a name no
+    entry matches but ``*``) when anything but ``:port`` follows the name or the ``]``: ``[::1]evil``,
+    ``localhost:evil``, an unclosed ``[``."""
     host = host.strip().lower()
     if host.startswith("["):  # an IPv6 literal, as a Host header writes it
-        host = host[1:].partition("]")[0]
+        host, bracket, rest = host[1:].partition("]")
+        if not bracket or not PORT_SUFFIX.fullmatch(rest):
+            return ""
     elif host.count(":") == 1:  # name:port (an address with several colons is a bare IPv6 literal)
-        host = host.partition(":")[0]
+        host, _, port = host.partition(":")
+        if not PORT_SUFFIX.fullmatch(":" + port):
+            return ""
     return host.rstrip(".")
+
+
+def allowlist_entry_problem(entry: str) -> str | None:
+    """Why the ``allowed_hosts`` entry ``entry`` names no host (None when it names one): an entry that
+    normalises to nothing (``[]``, ``:80``, ``.``, ``[::1]evil``), or a ``*`` anywhere but as the whole name
+    or a leading ``*.`` before a name (``*.`` normalised to ``*`` and allowed every host)."""
+    name = host_name(entry)
+    if not name:
+        return "it names no host"
+    if name == "*":
+        return None if entry.strip().partition(":")[0] == "*" else "a '*.' must be followed by a name"
+    if "*" in name:
+        suffix = name[2:] if name.startswith("*.") else ""
+        if not suffix or "*" in suffix or not all(suffix.split(".")):
+            return "'*' may only be the whole name or lead one ('*.example.com')"
+    return None
 
 
 def host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
@@ -78,11 +104,24 @@ class Settings(BaseSettings):
     """Host names the API answers to, comma-separated (``CONDUCTOR_ALLOWED_HOSTS``): a request whose ``Host``
     header names another is refused (400) before anything of it is read. A port is ignored (``localhost``
     allows ``localhost:8000``), an IPv6 address may be written with or without brackets, ``*`` allows any
-    host and ``*.example.com`` any name below ``example.com`` (not ``example.com`` itself). Empty (the
+    host and ``*.example.com`` any name below ``example.com`` (not ``example.com`` itself); an entry naming no
+    host (``*.``, ``[]``, ``a*b``) is refused at start (``allowlist_entry_problem``). Empty (the
     default): ``*`` while ``auth_required``, else the loopback names only (``LOOPBACK_HOST_NAMES``). Why: a
     server without keys on 127.0.0.1 is still reachable from any web page the machine's browser opens, by
     DNS rebinding (the page's own name re-resolved to 127.0.0.1), and such a request carries the page's
     name as its Host."""
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, v: str) -> str:
+        """An entry that names no host stops every process at start: '*.' normalised to '*' and allowed
+        every host, and a typo would otherwise refuse every request or be silently ignored."""
+        for entry in (e.strip() for e in v.split(",")):
+            if entry and (problem := allowlist_entry_problem(entry)) is not None:
+                raise ValueError(f"CONDUCTOR_ALLOWED_HOSTS entry {entry!r}: {problem}. Write a host name "
+                                 "(api.example.com; a port is ignored), an IP address (10.0.0.7, ::1 or [::1]), "
+                                 "'*.example.com' for every name below example.com, or '*' for any host")
+        return v
 
     # Input limits: every request is checked against these before anything is stored.
     max_task_chars: int = Field(default=100_000, ge=1)

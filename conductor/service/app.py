@@ -132,19 +132,25 @@ class HostAllowed:
     browser send it the page's requests, same-origin for the page, with the page's name as ``Host``. With
     keys required the pages cannot send one and the default allows any host; without keys (local use) only
     the loopback names are allowed by default. Inside ``OpenAIErrorShape``: the OpenAI routes answer the
-    refusal in their error shape."""
+    refusal in their error shape. A WebSocket handshake is checked alike and refused by closing it (1008;
+    the server answers the handshake 403)."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         allowlist = get_settings().host_allowlist()
         if allowlist != ("*",):
             raw = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
             if not host_allowed(host_name(raw), allowlist):
+                if scope["type"] == "websocket":  # (a page's script opens one as it sends a request)
+                    # closed before it is accepted: the server answers the handshake 403 (ASGI)
+                    await receive()  # websocket.connect
+                    await send({"type": "websocket.close", "code": 1008, "reason": "Host not allowed"})
+                    return
                 shown = raw[:MAX_SHOWN_HOST_CHARS] + ("..." if len(raw) > MAX_SHOWN_HOST_CHARS else "")
                 named = f"the Host header names {shown!r}" if raw else "the request has no Host header"
                 await problem_response(

@@ -10,9 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
-from conductor.service.app import create_app
-from conductor.settings import get_settings, host_name
+from conductor.service.app import HostAllowed, create_app
+from conductor.settings import Settings, get_settings, host_allowed, host_name
 
 
 @pytest.fixture
@@ -76,7 +78,8 @@ def test_without_keys_only_loopback_names_are_answered_by_default(configure) -> 
     for host in ("localhost", "localhost:8000", "127.0.0.1:8000", "[::1]:8000", "[::1]", "LOCALHOST"):
         status, _, _ = get(host)
         assert status == 200, host
-    for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.2", "testserver", None):
+    for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.2", "testserver",
+                 "[::1]evil", "localhost:evil", None):
         status, headers, body = get(host)
         assert status == 400, host
         assert headers["content-type"] == "application/problem+json"
@@ -126,3 +129,60 @@ def test_a_refused_request_is_not_read(configure) -> None:  # type: ignore[no-un
     status, _, _ = asyncio.run(call(app, "localhost:8000", "POST", "/ui/login", body, reads))  # allowed: read
     assert status == 303
     assert reads, "the allowed request's body was not read: the check above proves nothing"
+
+
+def test_a_host_with_anything_after_its_bracket_or_name_but_a_port_is_not_allowed() -> None:
+    """host_name('[::1]evil') was '::1': what follows ']' must be ':port' (digits), as after a name."""
+    for host in ("[::1]evil", "[::1]evil:80", "[::1].evil.example", "[::1]:80x", "[::1]:80:80", "localhost:evil",
+                 "[::1", "[]"):
+        assert not host_allowed(host_name(host), ("::1", "localhost")), host
+    for host in ("[::1]", "[::1]:8000", "[::1]:", "localhost:8000", "localhost:"):
+        assert host_allowed(host_name(host), ("::1", "localhost")), host
+
+
+@pytest.mark.parametrize("entry", ["*.", "*..", "a.*.example", "*example.com", "**", "[]", "[::1]evil", ":80",
+                                   "."])
+def test_an_allowlist_entry_that_names_no_host_is_refused_at_start(entry: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """'*.' normalised to '*' and allowed every host; an entry naming nothing must stop the server, saying
+    which and what to write."""
+    monkeypatch.setenv("CONDUCTOR_ALLOWED_HOSTS", f"localhost,{entry}")
+    with pytest.raises(ValidationError) as refused:
+        Settings()
+    assert "CONDUCTOR_ALLOWED_HOSTS" in str(refused.value) and repr(entry) in str(refused.value), refused.value
+
+
+def test_allowlist_entries_that_name_hosts_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONDUCTOR_ALLOWED_HOSTS", " * , *.example.com., [::1]:8000, ::1, LocalHost:80, 10.0.0.7 ,")
+    assert Settings().host_allowlist() == ("*", "*.example.com", "::1", "::1", "localhost", "10.0.0.7")
+
+
+def websocket(host: str) -> tuple[list[dict[str, object]], list[Scope]]:
+    """A WebSocket handshake with this Host through HostAllowed around an app that records what reaches it."""
+    reached: list[Scope] = []
+    sent: list[dict[str, object]] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        reached.append(scope)
+
+    async def receive() -> dict[str, object]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
+             "path": "/v1/anything", "raw_path": b"/v1/anything", "query_string": b"", "root_path": "",
+             "headers": [(b"host", host.encode())], "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+             "subprotocols": []}
+    asyncio.run(HostAllowed(inner)(scope, receive, send))  # type: ignore[arg-type]
+    return sent, reached
+
+
+def test_a_websocket_handshake_is_checked_too(configure) -> None:  # type: ignore[no-untyped-def]
+    """HostAllowed passed websocket scopes through unchecked: a rebinding page could open one."""
+    configure(auth=False)
+    sent, reached = websocket("evil.example")
+    assert sent == [{"type": "websocket.close", "code": 1008, "reason": "Host not allowed"}] and not reached
+    sent, reached = websocket("localhost:8000")
+    assert sent == [] and len(reached) == 1
