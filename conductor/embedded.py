@@ -615,9 +615,11 @@ def _watch(job_id: str, err: TextIO, started: float, settings: Settings,
     progress = Progress(job_id, err, started)
     next_reconcile = time.monotonic() + settings.reconcile_interval_s
     stopped_by = [signal.SIGINT]
+    signalled: list[signal.Signals] = []
 
     def stop(signum: int, _frame: Any) -> None:
         stopped_by[0] = signal.Signals(signum)
+        signalled.append(stopped_by[0])
         raise KeyboardInterrupt
 
     # A closed terminal (SIGHUP) or a kill (SIGTERM) cancels the job as Ctrl-C does: left running, it was
@@ -628,6 +630,11 @@ def _watch(job_id: str, err: TextIO, started: float, settings: Settings,
             stopped_by[0] = noted[0]
             raise KeyboardInterrupt
         while True:
+            if signalled:
+                # The handler's KeyboardInterrupt is raised wherever the main thread is, and one raised in
+                # a garbage-collection callback or a __del__ (SQLAlchemy's event registry, say) is printed
+                # as "Exception ignored" and lost: the run went on to the step's end. Raised here again.
+                raise KeyboardInterrupt
             job = progress.update()
             if job.status in JobStatus.TERMINAL:
                 progress.close()
