@@ -4,7 +4,11 @@ started kept its slot until it lapsed (``STREAM_TTL_S``, 60 s): the body's gener
 in its ``finally``, was never started, so that ``finally`` never ran. Real Postgres and Redis; the API
 as a real uvicorn process (``conductor serve``), and in process through its ASGI stack where the moment
 of the disconnect must be exact. No workers: the streamed jobs stay queued, so a stream stays open until
-its client leaves or the job is cancelled."""
+its client leaves or the job is cancelled. The session's workers (started by earlier files) consume the
+session's broker, so the jobs are made by an API of this module's own whose broker is a Redis db no
+worker reads (``quiet``): on the session's API a job ran its 2.5 s step meanwhile, its stream ended by
+itself and gave its slot back before the test looked (a flake of the whole suite, never of this file
+alone)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from conductor.quotas import STREAM_TTL_S, STREAMS_KEY
 from conductor.service.app import create_app
 from conductor.settings import get_settings
 from tests.integration.conftest import new_key
+from tests.integration.harness import start_api
 
 RELEASE_WAIT_S = 15.0
 """How long a released slot may take to be seen gone (the release is one Redis command after the
@@ -35,9 +40,29 @@ assert RELEASE_WAIT_S < STREAM_TTL_S / 2
 QUEUED = {"task": "t", "workflow": {"model_ids": ["slow"], "subtasks": ["wait"], "access_lists": [[]]}}
 
 
+QUIET_DB = 12
+"""The Redis db of ``quiet``'s broker (on the session broker's server): no worker of the suite reads it."""
+
+
 @pytest.fixture(scope="module")
 def slots() -> redis.Redis:
+    """Where the in-process app counts stream slots: the session's broker."""
     return redis.Redis.from_url(get_settings().broker_url)
+
+
+@pytest.fixture(scope="module")
+def quiet(proc_env: dict[str, str]) -> Iterator[tuple[str, redis.Redis]]:
+    """A real API (``conductor serve``) whose broker is ``QUIET_DB``, which no worker consumes: its jobs stay
+    queued, and its stream slots are counted there (the Redis client returned)."""
+    url = urlsplit(get_settings().broker_url)._replace(path=f"/{QUIET_DB}").geturl()
+    broker = redis.Redis.from_url(url)
+    broker.flushdb()
+    proc, api = start_api({**proc_env, "CONDUCTOR_BROKER_URL": url})
+    try:
+        yield api, broker
+    finally:
+        proc.stop()
+        broker.flushdb()
 
 
 def held(slots: redis.Redis, tenant: str) -> int:
@@ -109,9 +134,10 @@ def count_soon(seen: list[str], command: str, n: int) -> bool:
     return seen.count(command) == n
 
 
-def test_a_client_gone_before_the_first_byte_releases_its_slot(api: str, slots: redis.Redis) -> None:
+def test_a_client_gone_before_the_first_byte_releases_its_slot(quiet: tuple[str, redis.Redis]) -> None:
     """Clients that send their request and leave at once, having read nothing: each slot the server took
     (seen in Redis) is released, and the tenant holds none."""
+    api, slots = quiet
     key, job_id = tenant_with_job(api, "leaves-at-once")
     with slot_commands("leaves-at-once") as seen:
         for _ in range(5):
@@ -121,7 +147,8 @@ def test_a_client_gone_before_the_first_byte_releases_its_slot(api: str, slots: 
     assert held(slots, "leaves-at-once") == 0
 
 
-def test_a_client_gone_mid_stream_releases_its_slot(api: str, slots: redis.Redis) -> None:
+def test_a_client_gone_mid_stream_releases_its_slot(quiet: tuple[str, redis.Redis]) -> None:
+    api, slots = quiet
     key, job_id = tenant_with_job(api, "leaves-mid-stream")
     with (httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client,
           client.stream("GET", f"/v1/jobs/{job_id}/events") as stream):
@@ -131,7 +158,8 @@ def test_a_client_gone_mid_stream_releases_its_slot(api: str, slots: redis.Redis
     assert released_soon(slots, "leaves-mid-stream"), "a slot was left to lapse"
 
 
-def test_a_stream_that_ends_releases_its_slot(api: str, slots: redis.Redis) -> None:
+def test_a_stream_that_ends_releases_its_slot(quiet: tuple[str, redis.Redis]) -> None:
+    api, slots = quiet
     key, job_id = tenant_with_job(api, "stream-ends")
     with (httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client,
           client.stream("GET", f"/v1/jobs/{job_id}/events") as stream):
@@ -189,14 +217,14 @@ def in_process() -> Iterator[None]:
 @pytest.mark.parametrize("leaves_at", ["http.response.start", "http.response.body"])
 @pytest.mark.parametrize("route", ["events", "chat", "responses"])
 def test_a_stream_whose_client_left_while_a_message_was_sent_releases_its_slot_at_once(
-    api: str, slots: redis.Redis, in_process: None, leaves_at: str, route: str
+    quiet: tuple[str, redis.Redis], slots: redis.Redis, in_process: None, leaves_at: str, route: str
 ) -> None:
     """A client gone while the response's head was being sent: the body's generator never started, and
     the slot stayed held until it lapsed (60 s). Gone while an event was being sent: the generator stayed
     suspended at its ``yield``, closed (and the slot released) only when garbage-collected. The slot is
     seen held when the client leaves, and free when the app has returned."""
     tenant = f"gone-{route}-{leaves_at.rsplit('.', 1)[1]}"
-    key, job_id = tenant_with_job(api, tenant)
+    key, job_id = tenant_with_job(quiet[0], tenant)  # (its slots: the in-process app's, on ``slots``)
     if route == "events":
         method, path, body = "GET", f"/v1/jobs/{job_id}/events", b""
     elif route == "chat":
