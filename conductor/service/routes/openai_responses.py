@@ -176,15 +176,7 @@ def _previous(response_id: str, tenant: str, settings: Settings) -> tuple[Job, O
     """``previous_response_id``'s response (the whole rows: its input and answer are carried over), the
     tenant's and made by this API; 404 otherwise. One that has not ended completed (or incomplete) is
     400: it has no answer to continue from, yet or at all."""
-    found = None
-    if JOB_ID_RE.fullmatch(response_id):
-        with Session(get_engine(settings.database_url), expire_on_commit=False) as session:
-            found = get_response(session, job_id=response_id, tenant=tenant)
-    if found is None:
-        shown = response_id if JOB_ID_RE.fullmatch(response_id) else "(malformed id)"
-        raise OpenAIError(404, f"previous response {shown} not found for this API key (a job made by POST /v1/jobs, "
-                          f"chat completions or a batch is not a response); send the conversation in input instead",
-                          code="previous_response_not_found", param="previous_response_id")
+    found = _found(response_id, tenant, settings, whole=True, previous=True)
     job, _ = found
     if job.status != JobStatus.SUCCEEDED:
         status = response_status(job)
@@ -198,9 +190,12 @@ def _previous(response_id: str, tenant: str, settings: Settings) -> tuple[Job, O
     return found
 
 
-def _found(response_id: str, tenant: str, settings: Settings, *, whole: bool = False) -> tuple[Job, OpenAIResponse]:
+def _found(response_id: str, tenant: str, settings: Settings, *, whole: bool = False,
+           previous: bool = False) -> tuple[Job, OpenAIResponse]:
     """The response's job and row, or 404. Only what the response object tells is read
-    (``get_response_state``), unless ``whole`` (the input items need the task and the whole context)."""
+    (``get_response_state``), unless ``whole`` (the input items need the task and the whole context; a
+    continued response, its input and answer). ``previous``: the id is a request's ``previous_response_id``
+    (its 404 says so)."""
     found = None
     if JOB_ID_RE.fullmatch(response_id):
         read = get_response if whole else get_response_state
@@ -208,6 +203,10 @@ def _found(response_id: str, tenant: str, settings: Settings, *, whole: bool = F
             found = read(session, job_id=response_id, tenant=tenant)
     if found is None:
         shown = response_id if JOB_ID_RE.fullmatch(response_id) else "(malformed id)"
+        if previous:
+            raise OpenAIError(404, f"previous response {shown} not found for this API key (a job made by POST "
+                              f"/v1/jobs, chat completions or a batch is not a response); send the conversation "
+                              f"in input instead", code="previous_response_not_found", param="previous_response_id")
         raise OpenAIError(404, f"no response {shown} for this API key (a job made by POST /v1/jobs, "
                           f"chat completions or a batch is not a response: GET /v1/jobs/{{id}} reads it)",
                           code="response_not_found", param="response_id")
