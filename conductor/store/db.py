@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,18 +43,29 @@ crash shutdown, cannot connect now (starting up, shutting down), and too many co
 reconnecting at once after a restart, until their pools settle). Class 08 (connection exception) counts too."""
 
 
+SQLITE_UNREACHABLE = ("SQLITE_CANTOPEN",)
+"""The embedded store's (SQLite's) only outage: its file cannot be opened (a directory gone or not
+writable). Its other errors carry no SQLSTATE but are answers of a live database — ``database is locked``
+past the busy timeout is SQLite's lock timeout, a missing column a schema out of date, a disk I/O error a
+disk to look at — and are raised like Postgres's lock timeout, never logged as an outage."""
+
+
 def unreachable(exc: BaseException) -> bool:
     """Whether ``exc`` says the database cannot be reached now: a ``DATABASE_AWAY`` error that is not an SQL
     error the server answered. True for no pooled connection within the pool's timeout, a connection lost
-    (SQLAlchemy invalidated it), refused or never answered (the driver gives no SQLSTATE), and the server's
-    shutdown and start-up answers; False for a deadlock, a lock or statement timeout, a serialization
-    failure — ``OperationalError`` too, but the work of a live server, which a caller that only logs an
-    outage must not hide."""
+    (SQLAlchemy invalidated it), refused or never answered (Postgres's driver gives no SQLSTATE), the server's
+    shutdown and start-up answers, and an embedded SQLite file that cannot be opened; False for a deadlock, a
+    lock or statement timeout, a serialization failure, SQLite's other errors (``SQLITE_UNREACHABLE``) —
+    ``OperationalError`` too, but the work of a live server, which a caller that only logs an outage must
+    not hide."""
     if not isinstance(exc, DATABASE_AWAY):
         return False
     if isinstance(exc, sa_exc.TimeoutError) or getattr(exc, "connection_invalidated", False):
         return True
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    orig = getattr(exc, "orig", None)
+    if isinstance(orig, sqlite3.Error):  # the embedded store: a file, never "away" but when it cannot be opened
+        return getattr(orig, "sqlite_errorname", None) in SQLITE_UNREACHABLE
+    sqlstate = getattr(orig, "sqlstate", None)
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in UNREACHABLE_SQLSTATES
 
 
