@@ -41,7 +41,7 @@ def create_app() -> FastAPI:
         log.warning(PEPPER_WARNING)
     if startup.auth_required and not startup.secrets_key:
         log.warning(SECRETS_KEY_WARNING)
-    install_error_handlers(app, key_check=lambda authorization: bearer_key(get_settings(), authorization))
+    install_error_handlers(app, key_check=_key_check)
     app.add_middleware(KeyBeforeBody)
     app.add_middleware(BodyLimit)  # outside KeyBeforeBody: oversize headers and declared bodies first
     app.add_middleware(HostAllowed)  # outside both: a request to a name not ours is refused first
@@ -170,6 +170,14 @@ def _known_key(settings: Settings, authorization: str | None) -> None:
     """401 (a ``Problem``) unless ``authorization`` holds an active key; a short session of its own."""
     with Session(get_engine(settings.database_url)) as session:
         resolve_tenant(session, settings, authorization)
+
+
+def _key_check(authorization: str | None) -> None:
+    """401 (a ``Problem``) without a key, ``UnknownKey`` for a key no tenant holds: what a refused body
+    is judged by first (``install_error_handlers``)."""
+    settings = get_settings()
+    if bearer_key(settings, authorization) is not None:
+        _known_key(settings, authorization)
 
 
 class KeyBeforeBody:

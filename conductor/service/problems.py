@@ -23,7 +23,7 @@ from starlette.formparsers import MultiPartException
 from conductor.errors import Rejection
 from conductor.quotas import QuotaExceeded, check_failed_lookup
 from conductor.settings import get_settings
-from conductor.store.db import driver_reason
+from conductor.store.db import DATABASE_AWAY, driver_reason
 from conductor.submission import MAX_JSON_DEPTH, IdempotencyConflict, SubmissionError
 from conductor.workflow import MAX_REPORTED_ERRORS
 
@@ -194,8 +194,9 @@ def database_unavailable(exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], object] | None = None) -> None:
-    """``key_check(authorization)`` raises a 401 ``Problem`` for a request without a key; a request to
-    ``/v1/`` whose body fails validation is judged by it first."""
+    """``key_check(authorization)`` raises a 401 ``Problem`` for a request without a key and ``UnknownKey``
+    for a key no tenant holds (blocking: it may look the key up); a request to ``/v1/`` whose body fails
+    validation is judged by it first."""
 
     @app.exception_handler(QuotaExceeded)
     async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
@@ -217,21 +218,28 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
         return problem_response(422, "Idempotency-Key reused", str(exc),
                                 [{"loc": ["header", "Idempotency-Key"], "msg": str(exc)}])
 
-    def keyless(request: Request) -> JSONResponse | None:
-        """The 401 for a request to ``/v1/`` without a key (every /v1/ route needs one), else None. FastAPI
-        parses a JSON or form body before any dependency runs, so a body it cannot parse would otherwise be
-        described to a caller who sent no key at all: 401 first, as for every other body."""
+    async def refused_key(request: Request) -> JSONResponse | None:
+        """The 401 for a request to ``/v1/`` without a key or with one no tenant holds (every /v1/ route
+        needs one), else None. FastAPI parses and validates a body before the endpoint runs (and parses it
+        before any dependency), and ``POST /v1/jobs`` looks its key up inside the endpoint: a body refused
+        there would otherwise be described field by field to a caller who sent no key, or a wrong one. Only
+        a refused body pays the lookup; an unknown key is counted as every failed lookup is."""
         if key_check is None or not request.url.path.startswith("/v1/"):
             return None
         try:
-            key_check(request.headers.get("authorization"))
+            await run_in_threadpool(key_check, request.headers.get("authorization"))
+        except UnknownKey:
+            return await run_in_threadpool(unknown_key_refusal, request.client.host if request.client else None,
+                                           request.url.path)
         except Problem as missing:
             return problem_response(missing.status, missing.title, missing.detail, headers=missing.headers)
+        except DATABASE_AWAY as exc:
+            return database_unavailable(exc)
         return None
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if (refused := keyless(request)) is not None:
+        if (refused := await refused_key(request)) is not None:
             return refused
         errors = validation_errors(exc.errors())
         return problem_response(422, "Invalid request", "; ".join(
@@ -239,14 +247,15 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400 and (refused := keyless(request)) is not None:  # a body FastAPI could not parse
-            return refused
+        # a body FastAPI could not parse: the key first (in _validation), as for every refused body
         if exc.status_code == 400 and exc.detail == UNPARSED_BODY:
             return await _validation(request, RequestValidationError(
                 [{"loc": ("body",), "msg": unreadable_json(exc.__cause__), "type": "json_invalid"}]))
         if exc.status_code == 400 and (form := unreadable_form(exc)) is not None:
             return await _validation(request, RequestValidationError(
                 [{"loc": form[0], "msg": form[1], "type": "form_invalid"}]))
+        if exc.status_code == 400 and (refused := await refused_key(request)) is not None:
+            return refused
         return problem_response(exc.status_code, str(exc.detail), str(exc.detail))
 
     @app.exception_handler(DataError)

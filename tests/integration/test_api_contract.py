@@ -231,6 +231,26 @@ def test_a_body_that_is_not_json_is_401_without_a_key_and_422_with_one(client: h
     assert r.status_code in (400, 422) and "error" in r.json(), r.text
 
 
+def test_a_refused_body_with_an_unknown_key_is_401_not_a_list_of_its_fields(client: httpx.Client, api: str) -> None:
+    """POST /v1/jobs looks its key up in the endpoint, after FastAPI has validated the body: a wrong key
+    (not a missing one) got the body's field-by-field 422. A refused body's key is now looked up first,
+    on every /v1/ route and whichever way the body was refused (invalid fields, JSON that does not parse)."""
+    invalid = {"task": 5, "limits": {"max_steps": "x"}}
+    junk, json_type = b"{not json", {"Content-Type": "application/json"}
+    wrong = {"Authorization": "Bearer cq_" + "x" * 40}
+    with httpx.Client(base_url=api, timeout=30, headers=wrong) as stranger:
+        for r in (stranger.post("/v1/jobs", json=invalid),
+                  stranger.post("/v1/jobs", content=junk, headers=json_type),
+                  stranger.post("/v1/jobs/nope/replay", json={"from_step": "x"})):
+            assert r.status_code == 401, r.text
+            assert r.json()["detail"] == "unknown or revoked API key" and "errors" not in r.json(), r.text
+        r = stranger.post("/v1/responses", json={"model": 5, "input": 3})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    r = client.post("/v1/jobs", json=invalid)  # a valid key still gets the fields named
+    assert r.status_code == 422 and {tuple(e["loc"]) for e in r.json()["errors"]} == {
+        ("body", "task"), ("body", "limits", "max_steps")}, r.text
+
+
 def test_a_body_json_cannot_read_is_401_without_a_key_and_a_clear_refusal_with_one(
     client: httpx.Client, api: str
 ) -> None:
