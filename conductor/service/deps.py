@@ -6,10 +6,10 @@ import re
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Header
+from fastapi import Depends, Header, Request
 from sqlmodel import Session
 
-from conductor.service.problems import Problem, UnknownKey
+from conductor.service.problems import KEY_FOUND, Problem, UnknownKey
 from conductor.settings import Settings, get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine
@@ -57,10 +57,16 @@ def resolve_tenant(session: Session, settings: Settings, authorization: str | No
     return tenant
 
 
+def key_found(request: Request) -> None:
+    """Note on the request that its key was found (``problems.KEY_FOUND``)."""
+    setattr(request.state, KEY_FOUND, True)
+
+
 def tenant_dep(
-    session: SessionDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+    request: Request, session: SessionDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
 ) -> str:
     tenant = resolve_tenant(session, settings, authorization)
+    key_found(request)
     # End the lookup's transaction now: its connection goes back to the pool instead of being held while
     # the request waits for a thread to run its endpoint. Held, a burst of requests that passed
     # authentication pinned every pooled connection while new ones waited for one on every thread: the

@@ -37,6 +37,12 @@ NO_RETRY = {"x-should-retry": "false"}
 start a second job."""
 
 
+KEY_FOUND = "conductor_key_found"
+"""``request.state`` attribute a tenant dependency sets once the request's key is found (``deps.key_found``):
+FastAPI runs dependencies before it validates the body and parameters, so a refusal after it need not look
+the key up again."""
+
+
 def is_openai_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
 
@@ -223,8 +229,9 @@ def install_error_handlers(app: FastAPI, key_check: Callable[[str | None], objec
         needs one), else None. FastAPI parses and validates a body before the endpoint runs (and parses it
         before any dependency), and ``POST /v1/jobs`` looks its key up inside the endpoint: a body refused
         there would otherwise be described field by field to a caller who sent no key, or a wrong one. Only
-        a refused body pays the lookup; an unknown key is counted as every failed lookup is."""
-        if key_check is None or not request.url.path.startswith("/v1/"):
+        a refusal pays the lookup, and not one whose key a tenant dependency already found (``KEY_FOUND``);
+        an unknown key is counted as every failed lookup is."""
+        if key_check is None or not request.url.path.startswith("/v1/") or getattr(request.state, KEY_FOUND, False):
             return None
         try:
             await run_in_threadpool(key_check, request.headers.get("authorization"))

@@ -43,11 +43,12 @@ crash shutdown, cannot connect now (starting up, shutting down), and too many co
 reconnecting at once after a restart, until their pools settle). Class 08 (connection exception) counts too."""
 
 
-SQLITE_UNREACHABLE = ("SQLITE_CANTOPEN",)
-"""The embedded store's (SQLite's) only outage: its file cannot be opened (a directory gone or not
-writable). Its other errors carry no SQLSTATE but are answers of a live database — ``database is locked``
-past the busy timeout is SQLite's lock timeout, a missing column a schema out of date, a disk I/O error a
-disk to look at — and are raised like Postgres's lock timeout, never logged as an outage."""
+SQLITE_UNREACHABLE = (sqlite3.SQLITE_CANTOPEN,)
+"""The embedded store's (SQLite's) only outage, by primary result code: its file cannot be opened (its
+directory gone, any ``SQLITE_CANTOPEN_*``). Its other errors carry no SQLSTATE but are answers of a live
+database — ``database is locked`` past the busy timeout is SQLite's lock timeout, a missing column a schema
+out of date, a disk I/O error or a read-only directory a disk to look at — and are raised like Postgres's
+lock timeout, never logged as an outage."""
 
 
 def unreachable(exc: BaseException) -> bool:
@@ -64,7 +65,7 @@ def unreachable(exc: BaseException) -> bool:
         return True
     orig = getattr(exc, "orig", None)
     if isinstance(orig, sqlite3.Error):  # the embedded store: a file, never "away" but when it cannot be opened
-        return getattr(orig, "sqlite_errorname", None) in SQLITE_UNREACHABLE
+        return (getattr(orig, "sqlite_errorcode", 0) & 0xFF) in SQLITE_UNREACHABLE  # extended codes: low byte
     sqlstate = getattr(orig, "sqlstate", None)
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in UNREACHABLE_SQLSTATES
 

@@ -240,15 +240,20 @@ def test_a_refused_body_with_an_unknown_key_is_401_not_a_list_of_its_fields(clie
     wrong = {"Authorization": "Bearer cq_" + "x" * 40}
     with httpx.Client(base_url=api, timeout=30, headers=wrong) as stranger:
         for r in (stranger.post("/v1/jobs", json=invalid),
-                  stranger.post("/v1/jobs", content=junk, headers=json_type),
-                  stranger.post("/v1/jobs/nope/replay", json={"from_step": "x"})):
+                  stranger.post("/v1/jobs", content=junk, headers=json_type)):
             assert r.status_code == 401, r.text
             assert r.json()["detail"] == "unknown or revoked API key" and "errors" not in r.json(), r.text
-        r = stranger.post("/v1/responses", json={"model": 5, "input": 3})
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        for path in ("/v1/responses", "/v1/chat/completions"):  # was 400 'could not be read as JSON'
+            r = stranger.post(path, content=junk, headers=json_type)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
     r = client.post("/v1/jobs", json=invalid)  # a valid key still gets the fields named
     assert r.status_code == 422 and {tuple(e["loc"]) for e in r.json()["errors"]} == {
         ("body", "task"), ("body", "limits", "max_steps")}, r.text
+    # and where a dependency found the key before the body was judged, so it is not looked up again
+    r = client.post(f"/v1/jobs/{run(client, ['a'], [[]])['id']}/replay", json={"from_step": "x"})
+    assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body", "from_step"], r.text
+    r = client.post("/v1/responses", content=junk, headers=json_type)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
 
 
 def test_a_body_json_cannot_read_is_401_without_a_key_and_a_clear_refusal_with_one(

@@ -21,7 +21,7 @@ from contextlib import aclosing
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.sql import Executable
 from sqlmodel import Session
@@ -44,7 +44,7 @@ from conductor.quotas import (
     open_stream,
     refresh_stream,
 )
-from conductor.service.deps import SettingsDep, TenantDep, bearer_key, resolve_tenant
+from conductor.service.deps import SettingsDep, TenantDep, bearer_key, key_found, resolve_tenant
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, error_body, openai_errors
 from conductor.service.problems import http_status
 from conductor.service.stream_polls import Pace, SlotStream, failure_reason, poll, release_slot
@@ -59,11 +59,14 @@ router = APIRouter(tags=["openai"])
 log = logging.getLogger(__name__)
 
 
-def tenant_briefly(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> str:
+def tenant_briefly(request: Request, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+                   ) -> str:
     """The caller's tenant, looked up with a session closed at once (``TenantDep``'s session would stay
     open, holding a connection, for as long as the request waits for its job)."""
     with Session(get_engine(settings.database_url)) as session:
-        return resolve_tenant(session, settings, authorization)
+        tenant = resolve_tenant(session, settings, authorization)
+    key_found(request)
+    return tenant
 
 
 BriefTenantDep = Annotated[str, Depends(tenant_briefly)]
