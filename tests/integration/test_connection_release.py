@@ -9,8 +9,10 @@ a connection: the API stalled until the pool's timeout (measured: 100 req/s gave
 from __future__ import annotations
 
 from sqlmodel import Session
+from starlette.requests import Request
 
 from conductor.service.deps import tenant_dep
+from conductor.service.problems import KEY_FOUND
 from conductor.settings import get_settings
 from conductor.store.db import get_engine
 from tests.integration.conftest import new_key
@@ -21,7 +23,9 @@ def test_the_key_lookup_leaves_no_transaction_open() -> None:
     key = new_key("tenant-release")
     engine = get_engine(settings.database_url)
     with Session(engine, expire_on_commit=False) as session:
-        assert tenant_dep(session, settings, f"Bearer {key}") == "tenant-release"
+        request = Request({"type": "http", "method": "GET", "path": "/v1/jobs", "headers": []})
+        assert tenant_dep(request, session, settings, f"Bearer {key}") == "tenant-release"
+        assert getattr(request.state, KEY_FOUND)  # a refusal after it will not look the key up again
         assert not session.in_transaction()  # its connection is back in the pool
         checked_out = engine.pool.checkedout()  # type: ignore[attr-defined]
     with Session(engine, expire_on_commit=False) as session:
