@@ -249,11 +249,34 @@ def test_a_refused_body_with_an_unknown_key_is_401_not_a_list_of_its_fields(clie
     r = client.post("/v1/jobs", json=invalid)  # a valid key still gets the fields named
     assert r.status_code == 422 and {tuple(e["loc"]) for e in r.json()["errors"]} == {
         ("body", "task"), ("body", "limits", "max_steps")}, r.text
-    # and where a dependency found the key before the body was judged, so it is not looked up again
     r = client.post(f"/v1/jobs/{run(client, ['a'], [[]])['id']}/replay", json={"from_step": "x"})
     assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body", "from_step"], r.text
     r = client.post("/v1/responses", content=junk, headers=json_type)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
+
+
+def test_a_refusal_looks_a_key_up_only_where_no_dependency_found_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused body's key is looked up by the refusal on POST /v1/jobs (its key is looked up in the
+    endpoint, which a refused body never reaches) and for a body that does not parse (refused before any
+    dependency), once; not again on a route whose tenant dependency found it before the body was judged.
+    In process, to count the refusal's lookups; the database and key are real."""
+    from fastapi.testclient import TestClient
+
+    from conductor.service import app as service_app
+
+    looked_up: list[str | None] = []
+    known_key = service_app._known_key
+    monkeypatch.setattr(service_app, "_known_key", lambda settings, authorization: (
+        looked_up.append(authorization), known_key(settings, authorization))[1])
+    headers = {"Authorization": f"Bearer {new_key('tenant-refusal-lookups')}"}
+    with TestClient(service_app.create_app()) as http:
+        r = http.post("/v1/jobs/nope/replay", json={"from_step": "x"}, headers=headers)
+        assert r.status_code == 422 and looked_up == [], (r.text, looked_up)
+        r = http.post("/v1/jobs", json={"task": 5}, headers=headers)
+        assert r.status_code == 422 and looked_up == [headers["Authorization"]], (r.text, looked_up)
+        looked_up.clear()  # a body that does not parse is refused before any dependency runs: looked up once
+        r = http.post("/v1/responses", content=b"{not json", headers={**headers, "Content-Type": "application/json"})
+        assert r.status_code == 400 and looked_up == [headers["Authorization"]], (r.text, looked_up)
 
 
 def test_a_body_json_cannot_read_is_401_without_a_key_and_a_clear_refusal_with_one(
