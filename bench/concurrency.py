@@ -12,7 +12,18 @@ import time
 
 import sqlalchemy as sa
 
-from bench.env import Result, process_tree, rss_bytes, services, submit_direct, table, wait_done, workflow, write_pool
+from bench.env import (
+    Result,
+    process_tree,
+    profiled,
+    rss_bytes,
+    services,
+    submit_direct,
+    table,
+    wait_done,
+    workflow,
+    write_pool,
+)
 from conductor.store.db import get_engine
 
 
@@ -21,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", type=int, default=5000)
     p.add_argument("--workers", type=int, default=1,
                    help="worker processes, each with a pool of --calls slots (one per core takes the jobs faster)")
+    p.add_argument("--profile", action="store_true",
+                   help="py-spy the (first) worker for 10 s from the submit: what the intake spends its CPU on")
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -39,10 +52,12 @@ def run(args: argparse.Namespace) -> Result:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         idle_rss = rss_bytes(process_tree(svc.worker_pids))
-        t0 = time.monotonic()
-        ids = submit_direct([workflow([[]], "s")] * calls, "benchslow")
-        submitted = time.monotonic() - t0
-        wait_done(ids, timeout=900)
+        out = args.json_dir / "concurrency-profile.txt" if args.profile and not args.quick else None
+        with profiled(svc.worker_pids[0], 10, out) as profile:
+            t0 = time.monotonic()
+            ids = submit_direct([workflow([[]], "s")] * calls, "benchslow")
+            submitted = time.monotonic() - t0
+            wait_done(ids, timeout=900)
         stop.set()
         sampler.join()
     with get_engine().connect() as conn:
@@ -68,11 +83,15 @@ def run(args: argparse.Namespace) -> Result:
            "from the benchmark process. \"start spread\" is first call start → last call start: the time "
            "the workers needed to take every message, plan every job and claim every step. RSS: the workers' "
            "process trees together.")
+    if profile:
+        md += "\n\nWorker profile during the intake (py-spy, busy samples by library): " + ", ".join(
+            f"{k} {v}%" for k, v in profile["by_library_pct"].items())
+        md += "\n\nHottest functions: " + "; ".join(f"`{k}` {v}%" for k, v in profile["top_functions"][:5])
     data = {"calls": calls, "latency_ms": latency, "pool": pool, "concurrency": concurrency, "workers": args.workers,
             "peak_in_flight": in_flight,
             "succeeded": ok, "wall_s": last - first, "start_spread_s": spread, "peak_rss_bytes": peak[0],
-            "idle_rss_bytes": idle_rss, "submit_s": submitted}
+            "idle_rss_bytes": idle_rss, "submit_s": submitted, "profile": profile}
     cmd = "python -m bench concurrency --quick" if args.quick else \
         f"python -m bench concurrency --calls {args.calls} --latency-ms {args.latency_ms} --pool {pool}" + (
-            f" --workers {args.workers}" if args.workers != 1 else "")
+            f" --workers {args.workers}" if args.workers != 1 else "") + (" --profile" if args.profile else "")
     return Result("concurrency", cmd, data, md)
