@@ -347,10 +347,24 @@ def test_refusals_have_the_openai_shape_and_say_what_to_do(oai: openai.OpenAI, h
         oai.responses.create(model="conductor", input="x", tools=[{"type": "web_search"}])
     assert "tools" in (tools.value.param or "")
     with pytest.raises(openai.BadRequestError) as resumed:
-        oai.responses.retrieve(done.id, stream=True)
-    assert resumed.value.param == "stream"
+        oai.responses.retrieve(done.id, starting_after=3)  # a resume's number, without stream=true
+    assert resumed.value.param == "starting_after" and "stream=true" in resumed.value.message
+    with pytest.raises(openai.BadRequestError) as negative:
+        oai.responses.retrieve(done.id, stream=True, starting_after=-1)
+    assert negative.value.param == "starting_after"
     r = http.post("/v1/responses", json={"model": "conductor", "input": "x", "conversation": "conv_1"})
     assert r.status_code == 400 and set(r.json()) == {"error"}
+
+
+def _given_back(slots: redis.Redis, tenant: str, within_s: float = 10) -> bool:
+    """Whether the tenant holds no stream slot, waiting for it a moment: the server releases a stream's slot
+    as its response ends (``SlotStream``), just after the client has read the last event and seen the end."""
+    deadline = time.monotonic() + within_s
+    while slots.zrange(STREAMS_KEY + tenant, 0, -1):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_a_stream_refused_at_submission_gives_its_slot_back(api: str, workers: Any) -> None:
@@ -372,7 +386,7 @@ def test_a_stream_refused_at_submission_gives_its_slot_back(api: str, workers: A
         assert len(slots.zrange(STREAMS_KEY + tenant, 0, -1)) == 1  # held while it is open
         events = [first, *stream]
     assert events[-1].type == "response.completed"
-    assert slots.zrange(STREAMS_KEY + tenant, 0, -1) == []  # and given back when it ended
+    assert _given_back(slots, tenant)  # and given back when it ended
 
 
 def test_a_response_outlasting_the_wait_is_a_504_and_goes_on(proc_env: dict[str, str], key: str,
@@ -392,10 +406,65 @@ def test_a_response_outlasting_the_wait_is_a_504_and_goes_on(proc_env: dict[str,
             assert [e.type for e in events][-1] == "error"
             streamed_id = events[0].response.id  # type: ignore[union-attr]
             assert events[-1].code == "job_timeout" and streamed_id in events[-1].message  # type: ignore[union-attr]
+            # The error names the resume, and resuming as it says (each resumed stream bounded by the
+            # same 1 s wait, so maybe more than once) follows the response to its end with no number used twice.
+            resumes = 0
+            while events[-1].type == "error":
+                resume_at = f"GET /v1/responses/{streamed_id}?stream=true&starting_after={events[-1].sequence_number}"
+                assert resume_at in events[-1].message
+                assert resumes < 20, "the resumed streams never reached the end"
+                resumed = list(client.responses.retrieve(streamed_id, stream=True,
+                                                         starting_after=events[-1].sequence_number))
+                assert "response.created" not in [e.type for e in resumed]
+                events += resumed
+                resumes += 1
+            assert resumes >= 1 and events[-1].type == "response.completed"
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            assert events[-1].response.output_text == wait_terminal(http, streamed_id)["answer"] != ""
             assert _polled(client, response_id).status == "completed"
     finally:
         proc.stop()
     assert wait_terminal(http, streamed_id)["status"] == "succeeded"
+
+
+def test_a_dropped_stream_resumes_after_its_last_event(api: str, http: httpx.Client, workers: Any) -> None:
+    """A client whose stream dropped resumes it with ``retrieve(id, stream=True, starting_after=N)``: the
+    events go on from N + 1 (no second ``response.created``) to the answer; the resumed stream holds a
+    stream slot and gives it back. Without ``starting_after`` a stored response streams from the start."""
+    tenant = "responses-resumed-stream"
+    slots = redis.Redis.from_url(get_settings().broker_url)
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=new_key(tenant), max_retries=0) as client:
+        stream = client.responses.create(model="conductor/slow", input="resume me", stream=True)
+        first = next(iter(stream))
+        assert first.type == "response.created"
+        stream.close()  # the connection drops while the slow planner runs
+        response_id = first.response.id
+        resumed = client.responses.retrieve(response_id, stream=True, starting_after=first.sequence_number)
+        rest = list(resumed)
+        assert [e.sequence_number for e in rest] == list(range(1, len(rest) + 1))
+        names = [e.type for e in rest]
+        assert "response.created" not in names and names[0] == "response.in_progress"
+        assert names[-7:] == ["response.output_item.added", "response.content_part.added",
+                              "response.output_text.delta", "response.output_text.done",
+                              "response.content_part.done", "response.output_item.done", "response.completed"]
+        answer = wait_terminal(http_for(api, tenant), response_id)["answer"]
+        assert rest[-1].response.output_text == answer != ""  # type: ignore[union-attr]
+        assert _given_back(slots, tenant)  # both streams' slots given back
+
+        # The whole stream of a response that has ended, from the start; then a resume after its first event.
+        again = list(client.responses.retrieve(response_id, stream=True))
+        assert again[0].type == "response.created" and again[-1].type == "response.completed"
+        assert [e.sequence_number for e in again] == list(range(len(again)))
+        late = list(client.responses.retrieve(response_id, stream=True, starting_after=40))
+        assert late[0].sequence_number == 41 and late[-1].type == "response.completed"
+        assert late[-1].response.output_text == answer
+        with pytest.raises(openai.NotFoundError):  # another tenant's response is not found, streamed or not
+            list(openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("responses-other"), max_retries=0)
+                 .responses.retrieve(response_id, stream=True, starting_after=1))
+
+
+def http_for(api: str, tenant: str) -> httpx.Client:
+    return httpx.Client(base_url=api, headers={"Authorization": f"Bearer {new_key(tenant)}"}, timeout=30)
 
 
 def test_a_revoked_key_ends_the_stream_naming_the_response(api: str, workers: Any) -> None:

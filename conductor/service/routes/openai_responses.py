@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncGenerator, Iterator
 from functools import partial
 from typing import Annotated, Any, Literal
@@ -22,6 +23,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session
 
 from conductor.openai_wire import InputItemList, ResponseCreateRequest, ResponseObject
+from conductor.quotas import open_stream
 from conductor.responses import input_items, response_job, response_object, response_row, response_status
 from conductor.service.deps import JOB_ID_RE, SettingsDep, bearer_key
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
@@ -49,6 +51,15 @@ router = APIRouter(tags=["openai"])
 MAX_INPUT_ITEMS_PAGE = 100
 DEFAULT_INPUT_ITEMS_PAGE = 20
 """``GET /v1/responses/{id}/input_items``'s ``limit``, as OpenAI's (1-100, default 20)."""
+
+MAX_SEQUENCE_NUMBER = 1_000_000_000
+"""The largest ``starting_after`` taken (a stream numbers a few events per step and status change)."""
+
+RESUMED_STREAM_RESPONSE = {
+    "description": "With `stream=true`: the response's server-sent events, as `POST /v1/responses` streams "
+                   "them; with `starting_after`, numbered after it, starting from the response's current state.",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
 
 STREAM_RESPONSE = {
     "description": "With `stream: true`: the Responses API's server-sent events (`response.created`, …, "
@@ -100,17 +111,38 @@ async def create_response(
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject,
-            responses=openai_errors(400, 401, 404, 503))
-def retrieve_response(response_id: str, response: Response, settings: SettingsDep, tenant: BriefTenantDep,
-                      stream: bool = False) -> ResponseObject:
+            responses={**openai_errors(400, 401, 404, 429, 503), 200: RESUMED_STREAM_RESPONSE})
+async def retrieve_response(
+    response_id: str,
+    response: Response,
+    settings: SettingsDep,
+    tenant: BriefTenantDep,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0, le=MAX_SEQUENCE_NUMBER)] = None,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Any:
     """The response as it stands (poll it until `status` is `completed`, `incomplete`, `failed` or
-    `cancelled`). `stream=true` (resuming a stream) is not supported."""
-    if stream:
-        raise OpenAIError(400, "streaming a stored response is not supported: poll GET /v1/responses/{id}, "
-                          "or create the response with stream=true", param="stream", code="unsupported_parameter")
-    answer = _read(response_id, tenant, settings)
-    response.headers[JOB_HEADER] = answer.id  # (the id checked: a header cannot hold every path's characters)
-    return answer
+    `cancelled`). `stream=true` streams it instead, as `POST /v1/responses` with `stream: true` does, from
+    `response.created` on; with `starting_after`, resumes a stream that ended early (a dropped connection,
+    the wait bound's `error` event): its events are numbered from `starting_after` + 1, and what happened
+    meanwhile comes as the response's current state (a `response.in_progress` for the job and one per
+    step while it runs), not event by event; an ended response sends its steps' state and its answer's
+    events (or `response.failed`). `starting_after` alone (without `stream=true`) is refused."""
+    if not stream:
+        if starting_after is not None:
+            raise OpenAIError(400, "starting_after resumes a stream: send it with stream=true (without it, this "
+                              "answers the response as it stands)", param="starting_after",
+                              code="unsupported_parameter")
+        answer = await run_in_threadpool(_read, response_id, tenant, settings)
+        response.headers[JOB_HEADER] = answer.id  # (the id checked: a header cannot hold every path's characters)
+        return answer
+    key = bearer_key(settings, authorization)  # looked up again every KEY_CHECK_S, as on a created stream
+    found = await run_in_threadpool(_read, response_id, tenant, settings)  # 404 before a slot is taken
+    slot = uuid.uuid4().hex
+    await run_in_threadpool(open_stream, tenant, slot, settings)
+    events = ResponseEvents(found.id, tenant, settings, key, after=starting_after)
+    return SlotStream(held_stream(events.stream(), found.id, tenant, slot, settings, lapsed=events.lapsed),
+                      tenant=tenant, slot=slot, settings=settings, headers={JOB_HEADER: found.id})
 
 
 @router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject,
@@ -228,11 +260,16 @@ class ResponseEvents:
     ``output_item.done`` and ``response.completed`` (``response.incomplete`` when cut); a failed or
     cancelled job ends with ``response.failed`` (status ``failed`` or ``cancelled``). The wait bound, a
     revoked key, the database staying away and a lapsed stream slot end it with an ``error`` event naming
-    the response, which goes on. ``: keep-alive`` comments every ``HEARTBEAT_S``."""
+    the response, which goes on. ``: keep-alive`` comments every ``HEARTBEAT_S``.
 
-    def __init__(self, job_id: str, tenant: str, settings: Settings, key: str | None):
+    ``after``: a resumed stream (``GET /v1/responses/{id}?stream=true&starting_after=N``): numbered from
+    ``after + 1``, without ``response.created``; the first poll's state comes as it stands (the job's
+    ``in_progress`` and each step's), then the rest as on a new stream."""
+
+    def __init__(self, job_id: str, tenant: str, settings: Settings, key: str | None, *, after: int | None = None):
         self.job_id, self.tenant, self.settings, self.key = job_id, tenant, settings, key
-        self.sequence = 0
+        self.resumed = after is not None
+        self.sequence = 0 if after is None else after + 1
         self.numbered_last = False
         """Whether the last thing ``stream`` yielded was an event (it took a number), not a keep-alive."""
 
@@ -262,7 +299,8 @@ class ResponseEvents:
             base = await poll(lambda: _read(job_id, self.tenant, settings), job_id=job_id)
             job, steps = await poll(partial(read_progress, job_id, settings, self.key, key_due=pace.key_due()),
                                     job_id=job_id)
-            yield self.event("response.created", response=_progress(base, job))
+            if not self.resumed:
+                yield self.event("response.created", response=_progress(base, job))
             while True:
                 changed = False
                 if job.status in (JobStatus.PLANNING, JobStatus.RUNNING) and seen.get("job") != job.status:
@@ -297,7 +335,8 @@ class ResponseEvents:
         if final is None:
             yield self.error("job_timeout", f"response {job_id} is still running after "
                                             f"{settings.chat_max_wait_s:g}s; it goes on: GET /v1/responses/{job_id} "
-                                            f"has it when it ends")
+                                            f"has it when it ends, and GET /v1/responses/{job_id}?stream=true&"
+                                            f"starting_after={self.sequence} resumes this stream")
             return
         if final.status in ("completed", "incomplete"):
             for event in self._answer(final):
