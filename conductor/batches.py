@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy.exc import DataError
+from sqlalchemy.sql import Executable
 from sqlmodel import Session
 
 from conductor.chat import ChatRequestError, chat_job, completion, job_ref
@@ -31,20 +33,36 @@ from conductor.openai_wire import (
     BatchOutputLine,
     BatchResponse,
     ChatCompletionRequest,
+    ResponseCreateRequest,
     jsonl_lines,
 )
+from conductor.responses import response_job, response_object, response_row
 from conductor.settings import Settings
 from conductor.store import batches as store
 from conductor.store import jobs as jobs_store
+from conductor.store import responses as responses_store
 from conductor.store.db import session_scope
-from conductor.store.models import Batch, BatchRequest, BatchStatus, Job, JobStatus, StoredFile, utcnow
+from conductor.store.models import (
+    Batch,
+    BatchRequest,
+    BatchStatus,
+    Job,
+    JobStatus,
+    OpenAIResponse,
+    StoredFile,
+    utcnow,
+)
 from conductor.submission import JobCreate, SubmissionError, create_job, unstorable
 from conductor.workflow import CONDUCTOR_AGENT, MAX_REPORTED_ERRORS
 
 log = logging.getLogger(__name__)
 
 CHAT_ENDPOINT = "/v1/chat/completions"
+RESPONSES_ENDPOINT = "/v1/responses"
 JOBS_ENDPOINT = "/v1/jobs"
+OPENAI_ENDPOINTS = (CHAT_ENDPOINT, RESPONSES_ENDPOINT)
+"""The endpoints whose lines name a ``model`` (an unknown one is ``model_not_found``) and whose answer's
+finish reason shows in the line's body (``finish_reason: length``; a response ``incomplete``)."""
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 MAX_CUSTOM_ID_CHARS = 512
 MAX_FILENAME_CHARS = 255
@@ -158,6 +176,8 @@ def store_input_file(session: Session, *, tenant: str, filename: str, content: b
 class LineJob:
     body: JobCreate
     context: list[dict[str, str]] | None
+    response: ResponseCreateRequest | None = None
+    """A ``/v1/responses`` line's request: its job gets a response row, as the route's does."""
 
 
 class LineError(ValueError):
@@ -199,13 +219,13 @@ def create_batch(
             wanted = line_job(item, endpoint, settings)
             with session.begin_nested():  # a line the database refuses must not undo the others
                 job, _ = create_job(session, wanted.body, tenant=tenant, settings=settings,
-                                    context=wanted.context, batch_id=batch.id)
+                                    context=wanted.context, batch_id=batch.id, then=_response_row_of(wanted))
             request.job_id = job.id
             job_ids.append(job.id)
         except LineError as exc:
             request.error_code, request.error = exc.code, f"line {item.line}: {exc}"
-        except SubmissionError as exc:  # a chat line's unknown conductor/<planner>: as the live route says it
-            unknown_model = exc.title == "Unknown planner" and endpoint == CHAT_ENDPOINT
+        except SubmissionError as exc:  # a chat or response line's unknown conductor/<planner>: as the route says it
+            unknown_model = exc.title == "Unknown planner" and endpoint in OPENAI_ENDPOINTS
             code = "model_not_found" if unknown_model else "invalid_request"
             request.error_code, request.error = code, f"line {item.line}: {exc}"
         except DataError:
@@ -220,6 +240,15 @@ def create_batch(
 
 MAX_LINE_ERROR_CHARS = 1_000
 """A refused line's error as stored and written to the batch's error file."""
+
+
+def _response_row_of(wanted: LineJob) -> Callable[[Job], list[tuple[Executable, dict[str, Any]]]] | None:
+    """A ``/v1/responses`` line's job is a response too (``GET /v1/responses/{id}`` reads it): its response
+    row, inserted with the job as the route inserts it."""
+    asked = wanted.response
+    if asked is None:
+        return None
+    return lambda job: [responses_store.response_insert(response_row(job.id, asked))]
 
 
 def line_job(item: InputLine, endpoint: str, settings: Settings) -> LineJob:
@@ -246,6 +275,15 @@ def line_job(item: InputLine, endpoint: str, settings: Settings) -> LineJob:
                 raise LineError("'stream' is not available in a batch", "invalid_body")
             made = chat_job(chat, settings)
             return LineJob(body=made.body, context=made.context)
+        if endpoint == RESPONSES_ENDPOINT:
+            asked = ResponseCreateRequest.model_validate(body)
+            if asked.stream:
+                raise LineError("'stream' is not available in a batch", "invalid_body")
+            if asked.previous_response_id is not None:
+                raise LineError("'previous_response_id' is not available in a batch: send the conversation in "
+                                "'input'", "invalid_body")
+            made = response_job(asked, settings)
+            return LineJob(body=made.body, context=made.context, response=asked)
         return LineJob(body=JobCreate.model_validate(body), context=None)
     except ValidationError as exc:
         reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
@@ -304,23 +342,28 @@ def render_results(session: Session, batch: Batch) -> tuple[list[str], list[str]
     errors: list[str] = []
     expired = batch.expired_at is not None
     lines = store.batch_lines(session, batch_id=batch.id)
-    reasons = jobs_store.answer_finish_reasons(session, batch_id=batch.id) if batch.endpoint == CHAT_ENDPOINT else {}
+    answers_tell = batch.endpoint in OPENAI_ENDPOINTS
+    reasons = jobs_store.answer_finish_reasons(session, batch_id=batch.id) if answers_tell else {}
+    rows = responses_store.batch_responses(session, batch_id=batch.id) if batch.endpoint == RESPONSES_ENDPOINT else {}
     for request, job in lines:
-        line = _result_line(batch, request, job, expired=expired, reasons=reasons)
+        line = _result_line(batch, request, job, expired=expired, reasons=reasons, rows=rows)
         (output if line.error is None else errors).append(line.model_dump_json())
     return output, errors
 
 
 def _result_line(batch: Batch, request: BatchRequest, job: Job | None, *, expired: bool,
-                 reasons: dict[str, str | None]) -> BatchOutputLine:
+                 reasons: dict[str, str | None], rows: dict[str, OpenAIResponse]) -> BatchOutputLine:
     line_id = f"batch_req_{uuid.uuid4().hex}"
     if job is None:
         error = BatchLineError(code=request.error_code or "invalid_request", message=request.error or "")
         return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=None, error=error)
     if job.status == JobStatus.SUCCEEDED:
-        body = (completion(job, model_of(job), reasons.get(job.id)).model_dump(mode="json")
-                if batch.endpoint == CHAT_ENDPOINT
-                else job_result(job))
+        if batch.endpoint == CHAT_ENDPOINT:
+            body = completion(job, model_of(job), reasons.get(job.id)).model_dump(mode="json")
+        elif batch.endpoint == RESPONSES_ENDPOINT and job.id in rows:
+            body = response_object(job, rows[job.id], reasons.get(job.id)).model_dump(mode="json")
+        else:
+            body = job_result(job)
         response = BatchResponse(status_code=200, request_id=job.id, body=body)
         return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=response, error=None)
     if job.status == JobStatus.CANCELLED and _ended_by_the_batch(batch, job):

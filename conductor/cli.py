@@ -192,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="poll until the job ends and print the answer (with --batch: write the results file)")
     c.add_argument("--batch", type=Path, metavar="FILE.jsonl",
                    help="submit an OpenAI-style batch file instead of one task (prints the batch id)")
-    c.add_argument("--endpoint", choices=["/v1/jobs", "/v1/chat/completions"],
+    c.add_argument("--endpoint", choices=["/v1/jobs", "/v1/chat/completions", "/v1/responses"],
                    help="the batch's endpoint (default: the url of the file's first request)")
     c.add_argument("--batch-id", metavar="ID", help="with --wait: wait for a batch already submitted (after a wait "
                    "was interrupted) and write its results")

@@ -417,7 +417,7 @@ class FileList(BaseModel):
 
 # --- batches ----------------------------------------------------------------------------------------
 
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/jobs"]
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/responses", "/v1/jobs"]
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]

@@ -40,12 +40,22 @@ def _response_insert_stmt() -> sa.Insert:
 
 def get_response(session: Session, *, job_id: str, tenant: str) -> tuple[Job, OpenAIResponse] | None:
     """The tenant's job (the whole row) and its response row; None when either is missing (another
-    tenant's job, or a job made by ``POST /v1/jobs``, chat completions or a batch, is not a response)."""
+    tenant's job, or a job made by ``POST /v1/jobs``, chat completions or a batch's chat or job line, is not a
+    response; a ``/v1/responses`` batch line's is)."""
     row = session.exec(
         select(Job, OpenAIResponse).join(OpenAIResponse, OpenAIResponse.job_id == Job.id)  # type: ignore[arg-type]
         .where(Job.id == job_id, Job.tenant == tenant)
     ).first()
     return None if row is None else (row[0], row[1])
+
+
+def batch_responses(session: Session, *, batch_id: str) -> dict[str, OpenAIResponse]:
+    """The response rows of a batch's jobs (its ``/v1/responses`` lines), by job id: one statement."""
+    rows = session.exec(
+        select(OpenAIResponse).join(Job, OpenAIResponse.job_id == Job.id)  # type: ignore[arg-type]
+        .where(Job.batch_id == batch_id)
+    ).all()
+    return {row.job_id: row for row in rows}
 
 
 def get_response_state(session: Session, *, job_id: str, tenant: str) -> tuple[Job, OpenAIResponse] | None:

@@ -121,6 +121,48 @@ def test_a_batch_of_50_chat_completions(oai: openai.OpenAI, tmp_path: Path) -> N
     assert uploaded.id not in [f.id for f in oai.files.list(purpose="batch_output")]
 
 
+def response_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": body}
+
+
+def test_a_batch_of_responses(oai: openai.OpenAI) -> None:
+    """``/v1/responses`` lines: each a response (the body of its output line a ``response`` object, as the
+    route answers; its job readable with ``responses.retrieve``); ``max_output_tokens`` makes a cut answer
+    an ``incomplete`` response; ``stream``, ``previous_response_id``, an unknown model and a bad body fail
+    alone in the error file."""
+    lines = [
+        response_line("plain", {"model": "conductor", "input": "What is 6 x 7?", "instructions": "Be brief.",
+                                "metadata": {"n": "1"}}),
+        response_line("cut", {"model": "conductor", "input": "Say hello at length. " * 5, "max_output_tokens": 4}),
+        response_line("streamed", {"model": "conductor", "input": "x", "stream": True}),
+        response_line("continued", {"model": "conductor", "input": "x", "previous_response_id": "resp_1"}),
+        response_line("unknown", {"model": "conductor/no-such-planner", "input": "x"}),
+        response_line("bad", {"model": "conductor"}),
+        chat_line("wrong-url", "x"),
+    ]
+    uploaded = oai.files.create(file=("responses.jsonl", jsonl(lines)), purpose="batch")
+    created = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    assert created.endpoint == "/v1/responses"
+    batch = wait_batch(oai, created.id)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 5)
+    output = {line["custom_id"]: line for line in lines_of(oai, batch.output_file_id)}
+    errors = {line["custom_id"]: line["error"]["code"] for line in lines_of(oai, batch.error_file_id)}
+    assert errors == {"streamed": "invalid_body", "continued": "invalid_body", "unknown": "model_not_found",
+                      "bad": "invalid_body", "wrong-url": "invalid_url"}
+    plain = output["plain"]["response"]
+    assert plain["status_code"] == 200 and plain["body"]["object"] == "response"
+    body = plain["body"]
+    assert body["status"] == "completed" and body["id"] == plain["request_id"]
+    assert body["instructions"] == "Be brief." and body["metadata"] == {"n": "1"}
+    retrieved = oai.responses.retrieve(body["id"])  # a batch line's response is a response
+    assert retrieved.output_text == body["output"][0]["content"][0]["text"] == SIM_ANSWER
+    assert retrieved.usage is not None and retrieved.usage.input_tokens == body["usage"]["input_tokens"] > 0
+    cut = output["cut"]["response"]["body"]
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["max_output_tokens"] == 4 and 0 < len(cut["output"][0]["content"][0]["text"]) <= 16
+
+
 def test_a_chat_line_naming_an_unknown_planner_is_model_not_found(oai: openai.OpenAI) -> None:
     """As the live route answers 404 model_not_found for it, not invalid_request."""
     unknown = chat_line("unknown", "q")

@@ -237,10 +237,12 @@ def _found(response_id: str, tenant: str, settings: Settings, *, whole: bool = F
         shown = response_id if JOB_ID_RE.fullmatch(response_id) else "(malformed id)"
         if previous:
             raise OpenAIError(404, f"previous response {shown} not found for this API key (a job made by POST "
-                              f"/v1/jobs, chat completions or a batch is not a response); send the conversation "
-                              f"in input instead", code="previous_response_not_found", param="previous_response_id")
-        raise OpenAIError(404, f"no response {shown} for this API key (a job made by POST /v1/jobs, "
-                          f"chat completions or a batch is not a response: GET /v1/jobs/{{id}} reads it)",
+                              f"/v1/jobs, chat completions or a batch's chat or job line is not a response); send "
+                              f"the conversation in input instead", code="previous_response_not_found",
+                              param="previous_response_id")
+        raise OpenAIError(404, f"no response {shown} for this API key (a job made by POST /v1/jobs, chat "
+                          f"completions or a batch's chat or job line is not a response: GET /v1/jobs/{{id}} "
+                          f"reads it)",
                           code="response_not_found", param="response_id")
     return found
 
