@@ -494,7 +494,7 @@ def _webhooks_url(args: argparse.Namespace) -> int:
     from conductor.store import webhooks as store
     from conductor.store.db import session_scope
     from conductor.submission import MAX_URL_CHARS
-    from conductor.webhooks.targets import UnsafeTarget, check_url
+    from conductor.webhooks.targets import UnsafeTarget, check_url, denied_of
 
     tenant = _tenant_arg(args)
     if args.url and args.clear:
@@ -504,7 +504,7 @@ def _webhooks_url(args: argparse.Namespace) -> int:
         if len(url) > MAX_URL_CHARS:
             raise CliError(f"the URL is longer than {MAX_URL_CHARS} characters")
         try:
-            check_url(url, allow_loopback=get_settings().webhook_allow_loopback)
+            check_url(url, allow_loopback=get_settings().webhook_allow_loopback, denied=denied_of(get_settings()))
         except UnsafeTarget as exc:
             raise CliError(str(exc)) from exc
     with session_scope() as s:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -73,6 +74,24 @@ def allowlist_entry_problem(entry: str) -> str | None:
         if not suffix or "*" in suffix or not all(suffix.split(".")):
             return "'*' may only be the whole name or lead one ('*.example.com')"
     return None
+
+
+def denied_target_problem(entry: str) -> str | None:
+    """Why the ``webhook_denied_targets`` entry ``entry`` is neither an IP address or network (CIDR) nor a
+    host name as ``allowed_hosts`` writes one (None when it is)."""
+    if _network(entry) is not None:
+        return None
+    name = host_name(entry)
+    if not name or name == "*" or ":" in name or "/" in name:
+        return "it is neither an IP address or network nor a host name"
+    return allowlist_entry_problem(entry)
+
+
+def _network(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(entry.strip().strip("[]"), strict=False)
+    except ValueError:
+        return None
 
 
 def host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
@@ -271,6 +290,25 @@ class Settings(BaseSettings):
     webhook_allow_loopback: bool = False
     """Let webhooks target 127.0.0.0/8 and ::1 (tests, a receiver on the same host). Private, link-local,
     metadata and other non-global addresses stay refused."""
+    webhook_denied_targets: str = Field(default="", max_length=10_000)
+    """Public targets a webhook may not call besides the non-public ranges, comma-separated: this deployment's
+    own addresses and names, so that a tenant's webhook cannot reach its API, Flower or load balancer from
+    inside (past a firewall that keeps them from the internet). IP addresses and networks
+    (``203.0.113.7``, ``198.51.100.0/24``, ``2001:db8::/32``: checked against every address a webhook's host
+    resolves to at each send, and a literal one at submit) and host names as ``CONDUCTOR_ALLOWED_HOSTS``
+    writes them (``flower.example.com``, ``*.internal.example.com``). The API's own names
+    (``CONDUCTOR_ALLOWED_HOSTS`` entries that are not wildcards) are refused without being listed here. A
+    malformed entry stops every process at start."""
+
+    @field_validator("webhook_denied_targets")
+    @classmethod
+    def _denied_targets(cls, v: str) -> str:
+        for entry in (e.strip() for e in v.split(",")):
+            if entry and (problem := denied_target_problem(entry)) is not None:
+                raise ValueError(f"CONDUCTOR_WEBHOOK_DENIED_TARGETS entry {entry!r}: {problem}. Write an IP "
+                                 "address (203.0.113.7), a network (198.51.100.0/24) or a host name "
+                                 "(flower.example.com, *.example.com)")
+        return v
 
     api_key_pepper: str = ""
     """Keyed into every API-key hash; set it in production so a leaked table alone verifies nothing."""
@@ -342,6 +380,30 @@ class Settings(BaseSettings):
         if names:
             return names
         return ("*",) if self.auth_required else LOOPBACK_HOST_NAMES
+
+    def webhook_denied(self) -> tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...], tuple[str, ...]]:
+        """``webhook_denied_targets`` as (networks, host names in ``host_name``'s form, ``*.suffix`` ones
+        included), with the API's own names from ``allowed_hosts`` (not its wildcards: a tenant's receiver may
+        live below the API's domain) among the names."""
+        networks, names = [], []
+        for entry in (e.strip() for e in self.webhook_denied_targets.split(",")):
+            if not entry:
+                continue
+            network = _network(entry)
+            if network is not None:
+                networks.append(network)
+            else:
+                names.append(host_name(entry))
+        for entry in (host_name(n) for n in self.allowed_hosts.split(",") if n.strip()):
+            # (loopback names and addresses are refused already, unless webhook_allow_loopback lets them be)
+            if "*" in entry or entry in LOOPBACK_HOST_NAMES or entry.endswith(".localhost"):
+                continue
+            network = _network(entry)
+            if network is None:
+                names.append(entry)
+            elif not network.is_loopback:
+                networks.append(network)
+        return tuple(networks), tuple(dict.fromkeys(names))
 
     def step_max_duration_s(self, call_timeout_s: float | None = None) -> float:
         """The longest a step may run while its worker lives: every attempt waiting its full rate-limit

@@ -21,7 +21,7 @@ from conductor.settings import SHIPPED_POOLS_DIR, Settings
 from conductor.store import jobs as store
 from conductor.store.models import Job, utcnow
 from conductor.store.webhooks import default_webhook_url
-from conductor.webhooks.targets import UnsafeTarget, check_url
+from conductor.webhooks.targets import UnsafeTarget, check_url, denied_of
 from conductor.workflow import CONDUCTOR_AGENT, FieldError, WorkflowError, parse_workflow
 
 if TYPE_CHECKING:
@@ -212,7 +212,8 @@ def validate_request(body: JobCreate, settings: Settings, *, allow_pool_path: bo
         raise SubmissionError(Rejection.INVALID, "Unknown planner", refused) from exc
     if body.webhook_url is not None:
         try:
-            check_url(str(body.webhook_url), allow_loopback=settings.webhook_allow_loopback)
+            check_url(str(body.webhook_url), allow_loopback=settings.webhook_allow_loopback,
+                      denied=denied_of(settings))
         except UnsafeTarget as exc:
             refused = [FieldError(("body", "webhook_url"), str(exc))]
             raise SubmissionError(Rejection.INVALID, "Webhook target refused", refused) from exc

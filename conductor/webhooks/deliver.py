@@ -32,7 +32,7 @@ from conductor.store.db import session_scope
 from conductor.store.models import DeliveryStatus, Job, Step, WebhookDelivery, utcnow
 from conductor.webhooks.signing import headers as signed_headers
 from conductor.webhooks.signing import new_secret
-from conductor.webhooks.targets import Target, Unresolvable, UnsafeTarget, resolve
+from conductor.webhooks.targets import Target, Unresolvable, UnsafeTarget, denied_of, resolve
 
 log = logging.getLogger(__name__)
 USER_AGENT = "conductor-queue-webhooks/0.1"
@@ -96,7 +96,7 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
         return _settle(row, started, _Answer(None, None, UNSEALABLE), settings)
     clock = time.monotonic()
     try:
-        target = resolve(row.url, allow_loopback=settings.webhook_allow_loopback)
+        target = resolve(row.url, allow_loopback=settings.webhook_allow_loopback, denied=denied_of(settings))
         timestamp = int(time.time())
         answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode(), also=also),
                        body.encode(), timeout=settings.webhook_timeout_s)

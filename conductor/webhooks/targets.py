@@ -14,11 +14,16 @@ import ipaddress
 import logging
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from pydantic import HttpUrl, TypeAdapter
 
+if TYPE_CHECKING:
+    from conductor.settings import Settings
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 log = logging.getLogger(__name__)
 RESERVED_NAMES = ("localhost", "localhost.localdomain", "metadata.google.internal", "metadata")
 RESERVED_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain")
@@ -31,6 +36,40 @@ class UnsafeTarget(ValueError):
 
 class Unresolvable(ValueError):
     """The host name did not resolve (perhaps for now): a retryable failure, not a refusal."""
+
+
+@dataclass(frozen=True)
+class Denied:
+    """Public targets refused besides the non-public ranges: this deployment's own
+    (``Settings.webhook_denied``: ``CONDUCTOR_WEBHOOK_DENIED_TARGETS`` and the API's own host names)."""
+
+    networks: tuple[IPNetwork, ...] = ()
+    names: tuple[str, ...] = ()
+    """Lowercased, without a trailing dot; ``*.example.com`` for every name below ``example.com``."""
+
+    def network_of(self, address: IPAddress) -> IPNetwork | None:
+        """The denied network holding ``address`` (or the IPv4 address an IPv6 one carries), or None."""
+        reached = [address]
+        if isinstance(address, ipaddress.IPv6Address):
+            embedded = address.ipv4_mapped or address.sixtofour
+            if embedded is None and (address in NAT64 or address in IPV4_TRANSLATED):
+                embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+            if embedded is not None:
+                reached.append(embedded)
+        return next((net for net in self.networks for a in reached if a.version == net.version and a in net), None)
+
+    def has_name(self, name: str) -> bool:
+        return any(entry == name or (entry.startswith("*.") and name.endswith(entry[1:])) for entry in self.names)
+
+
+NOTHING_DENIED = Denied()
+OWN = "one of this deployment's own (CONDUCTOR_WEBHOOK_DENIED_TARGETS, CONDUCTOR_ALLOWED_HOSTS)"
+
+
+def denied_of(settings: Settings) -> Denied:
+    """The ``Denied`` targets of ``settings``."""
+    networks, names = settings.webhook_denied()
+    return Denied(networks, names)
 
 
 @dataclass(frozen=True)
@@ -133,27 +172,32 @@ def normalize_url(url: str) -> str:
     return str(TypeAdapter(HttpUrl).validate_python(url))
 
 
-def check_url(url: str, *, allow_loopback: bool) -> None:
-    """The submit-time check (no DNS lookup): a literal address must be public, a reserved name is
-    refused. Names are resolved and checked again at every send."""
+def check_url(url: str, *, allow_loopback: bool, denied: Denied = NOTHING_DENIED) -> None:
+    """The submit-time check (no DNS lookup): a literal address must be public and not ``denied``, a
+    reserved or denied name is refused. Names are resolved and checked again at every send."""
     _, host, _ = _split(url)
     address = literal_address(host)
     if address is not None:
         problem = address_problem(address, allow_loopback=allow_loopback)
         if problem:
             raise UnsafeTarget(f"webhook target refused: {problem}")
+        if denied.network_of(address) is not None:
+            raise UnsafeTarget(f"webhook target refused: {address} is {OWN}")
         return
     name = host.rstrip(".").lower()
+    if denied.has_name(name):
+        raise UnsafeTarget(f"webhook target refused: '{host}' is {OWN}")
     if name in RESERVED_NAMES or name.endswith(RESERVED_SUFFIXES):
         if allow_loopback and (name == "localhost" or name.endswith(".localhost")):
             return
         raise UnsafeTarget(f"webhook target refused: '{host}' is a local or internal host name")
 
 
-def resolve(url: str, *, allow_loopback: bool) -> Target:
+def resolve(url: str, *, allow_loopback: bool, denied: Denied = NOTHING_DENIED) -> Target:
     """The send-time check: resolves the host and raises :class:`Unresolvable` if it does not resolve or
-    *any* address it resolves to is unsafe; returns the first address, which the request must connect to."""
-    check_url(url, allow_loopback=allow_loopback)
+    *any* address it resolves to is unsafe or ``denied``; returns the first address, which the request must
+    connect to."""
+    check_url(url, allow_loopback=allow_loopback, denied=denied)
     scheme, host, port = _split(url)
     address = literal_address(host)
     if address is not None:
@@ -174,6 +218,8 @@ def resolve(url: str, *, allow_loopback: bool) -> Target:
         raise unreachable
     for candidate in addresses:
         kind = address_kind(candidate, allow_loopback=allow_loopback)
+        if kind is None and (network := denied.network_of(candidate)) is not None:
+            kind = f"in {network}, {OWN}"
         if kind:
             log.warning("webhook target refused: %s (port %s) resolves to %s, %s", host, port, candidate, kind)
             raise unreachable

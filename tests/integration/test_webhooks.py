@@ -45,7 +45,13 @@ def hook_env(proc_env: dict[str, str]) -> dict[str, str]:
     Secrets are sealed at rest here (``CONDUCTOR_SECRETS_KEY``); the other webhook tests store them as given."""
     return {**proc_env, "CONDUCTOR_WEBHOOK_ALLOW_LOOPBACK": "true", "CONDUCTOR_WEBHOOK_BACKOFF_S": "[0.5, 0.5, 0.5]",
             "CONDUCTOR_WEBHOOK_TIMEOUT_S": "5", "CONDUCTOR_RECONCILE_STALE_S": "0",
-            "CONDUCTOR_SECRETS_KEY": SECRETS_KEY}
+            "CONDUCTOR_SECRETS_KEY": SECRETS_KEY, "CONDUCTOR_WEBHOOK_DENIED_TARGETS": DENIED,
+            "CONDUCTOR_ALLOWED_HOSTS": "127.0.0.1,localhost,api.example.com"}
+
+
+DENIED = "93.184.215.0/24, flower.example.com"
+"""This deployment's own public address and names, as an operator lists them (the loopback receiver stays
+allowed: CONDUCTOR_WEBHOOK_ALLOW_LOOPBACK)."""
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +191,24 @@ def test_private_and_metadata_targets_are_refused_at_submit(tenant: Tenant, url:
     assert problem["title"] == "Webhook target refused"
     assert problem["errors"][0]["loc"] == ["body", "webhook_url"]
     assert len(tenant.client.get("/v1/jobs").json()["data"]) == before  # no job, so nothing will ever be sent
+
+
+@pytest.mark.parametrize("url", ["http://93.184.215.14:5555/api/worker/shutdown/celery@w1",
+                                 "http://[::ffff:93.184.215.14]:5555/x", "https://flower.example.com/api",
+                                 "https://api.example.com/v1/jobs"])
+def test_the_deployments_own_targets_are_refused_at_submit_and_by_the_cli(tenant: Tenant, hook_env: dict[str, str],
+                                                                         url: str) -> None:
+    """``CONDUCTOR_WEBHOOK_DENIED_TARGETS`` and the API's own name (``CONDUCTOR_ALLOWED_HOSTS``): public targets,
+    but this deployment's (its Flower, its API), refused as a private one is: no job; nor as a tenant's
+    default URL."""
+    r = tenant.client.post("/v1/jobs", json={"task": "t", "webhook_url": url})
+    assert r.status_code == 422, r.text
+    problem = r.json()
+    assert problem["title"] == "Webhook target refused" and problem["errors"][0]["loc"] == ["body", "webhook_url"]
+    assert "this deployment's own" in problem["errors"][0]["msg"]
+    refused = cli("webhooks", "url", "--tenant", tenant.name, url, env=hook_env)
+    assert refused.returncode != 0 and "this deployment's own" in refused.stderr
+    # (every other test of this module delivers to its loopback receiver with the same settings)
 
 
 @pytest.mark.parametrize("length", [2049, 3000])

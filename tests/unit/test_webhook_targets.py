@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 import pytest
 
+from conductor.settings import Settings
 from conductor.webhooks.targets import (
+    Denied,
     Unresolvable,
     UnsafeTarget,
     address_problem,
     check_url,
+    denied_of,
     literal_address,
     resolve,
 )
@@ -124,3 +128,51 @@ def test_problem_names_the_kind_of_address() -> None:
 def test_an_ipv6_address_carrying_an_ipv4_one_names_both() -> None:
     problem = address_problem(literal_address("[64:ff9b::a00:1]"), allow_loopback=False)  # type: ignore[arg-type]
     assert problem == "64:ff9b::a00:1 is a private address (10.0.0.1) inside an IPv6 one"
+
+
+def _denied(**env: str) -> Denied:
+    return denied_of(Settings(**env))  # type: ignore[arg-type]
+
+
+def test_the_deployments_own_targets_are_refused_at_submit() -> None:
+    """``CONDUCTOR_WEBHOOK_DENIED_TARGETS`` (addresses, networks, names) and the API's own names
+    (``CONDUCTOR_ALLOWED_HOSTS``): public, yet this deployment's, so a webhook from inside must not reach them."""
+    denied = _denied(webhook_denied_targets="93.184.215.14, 151.101.64.0/24, 2606:4700:7::/48, flower.example.com, "
+                                            "*.ops.example.com",
+                     allowed_hosts="api.example.com:443,*.tenants.example.com,localhost,127.0.0.1,104.16.0.9")
+    assert denied.names == ("flower.example.com", "*.ops.example.com", "api.example.com")
+    for url in ("http://93.184.215.14:5555/api/worker/shutdown/w1", "https://151.101.64.200/hook",
+                "http://[::ffff:93.184.215.14]:5555/x", "http://[64:ff9b::5db8:d70e]/x", "https://[2606:4700:7::1]/x",
+                "https://FLOWER.example.com./api", "https://grafana.ops.example.com/x", "https://api.example.com/v1/jobs",
+                "http://104.16.0.9/x"):
+        with pytest.raises(UnsafeTarget, match="this deployment's own") as refused:
+            check_url(url, allow_loopback=False, denied=denied)
+        assert "CONDUCTOR_WEBHOOK_DENIED_TARGETS" in str(refused.value)
+    # Near misses pass: the API's wildcard is not a name of its own (a tenant's receiver may live below it),
+    # a name next to a denied one, the network's neighbour, and loopback where the operator allows it.
+    for url in ("https://hooks.tenants.example.com/x", "https://ops.example.com/x", "https://example.com/x",
+                "https://151.101.65.1/x", "https://93.184.215.15/x", "https://flower.example.com.evil.test/x"):
+        check_url(url, allow_loopback=False, denied=denied)
+    check_url("http://localhost:9000/x", allow_loopback=True, denied=denied)
+    check_url("http://127.0.0.1:9000/x", allow_loopback=True, denied=denied)
+
+
+def test_a_name_resolving_into_a_denied_network_is_refused_at_send_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant's own name pointed at the deployment's public address (a hairpin past its firewall) reads as
+    any unsafe target: not sent, the same error as a name that does not resolve."""
+    def fake_getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::ffff:93.184.215.14", port, 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    with pytest.raises(Unresolvable, match="does not resolve to a public address"):
+        resolve("https://innocent.example.net/hook", allow_loopback=False,
+                denied=_denied(webhook_denied_targets="93.184.215.0/28"))
+    assert resolve("https://innocent.example.net/hook", allow_loopback=False).address == ipaddress.ip_address(
+        "::ffff:93.184.215.14")  # (public, and sent, where nothing is denied)
+
+
+@pytest.mark.parametrize("entry", ["*", "93.184.215.14/33", "a*b.example.com", "*.", "[]", "http://x.example.com",
+                                   "flower.example.com:5555:1"])
+def test_a_malformed_denied_target_stops_the_process_at_start(entry: str) -> None:
+    with pytest.raises(ValueError, match="CONDUCTOR_WEBHOOK_DENIED_TARGETS entry"):
+        Settings(webhook_denied_targets=entry)  # type: ignore[call-arg]
