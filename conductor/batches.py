@@ -283,7 +283,8 @@ def line_job(item: InputLine, endpoint: str, settings: Settings) -> LineJob:
                 raise LineError("'previous_response_id' is not available in a batch: send the conversation in "
                                 "'input'", "invalid_body")
             made = response_job(asked, settings)
-            return LineJob(body=made.body, context=made.context, response=asked)
+            # (a line is not a background request: it is answered in the batch's output file)
+            return LineJob(body=made.body, context=made.context, response=asked.model_copy(update={"background": None}))
         return LineJob(body=JobCreate.model_validate(body), context=None)
     except ValidationError as exc:
         reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
@@ -357,11 +358,17 @@ def _result_line(batch: Batch, request: BatchRequest, job: Job | None, *, expire
     if job is None:
         error = BatchLineError(code=request.error_code or "invalid_request", message=request.error or "")
         return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=None, error=error)
+    row = rows.get(job.id)
+    if batch.endpoint == RESPONSES_ENDPOINT and row is None:  # (inserted with its job: never seen)
+        log.error("batch %s: line %s's job %s has no response row", batch.id, request.line, job.id)
+        error = BatchLineError(code="server_error", message=f"the response of job {job.id} was not stored; "
+                                                            f"GET /v1/jobs/{job.id} has the job")
+        return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=None, error=error)
     if job.status == JobStatus.SUCCEEDED:
         if batch.endpoint == CHAT_ENDPOINT:
             body = completion(job, model_of(job), reasons.get(job.id)).model_dump(mode="json")
-        elif batch.endpoint == RESPONSES_ENDPOINT and job.id in rows:
-            body = response_object(job, rows[job.id], reasons.get(job.id)).model_dump(mode="json")
+        elif row is not None:
+            body = response_object(job, row, reasons.get(job.id)).model_dump(mode="json")
         else:
             body = job_result(job)
         response = BatchResponse(status_code=200, request_id=job.id, body=body)
@@ -376,8 +383,11 @@ def _result_line(batch: Batch, request: BatchRequest, job: Job | None, *, expire
         return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=None, error=error)
     code = "job_cancelled" if job.status == JobStatus.CANCELLED else "job_failed"
     message = job.error_message or job.status
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": job.error_type},
-            "conductor": job_ref(job).model_dump(mode="json")}
+    if row is not None:  # a response line: the response, failed or cancelled, as GET /v1/responses/{id} has it
+        body = response_object(job, row).model_dump(mode="json")
+    else:
+        body = {"error": {"message": message, "type": "server_error", "param": None, "code": job.error_type},
+                "conductor": job_ref(job).model_dump(mode="json")}
     response = BatchResponse(status_code=500 if code == "job_failed" else 409, request_id=job.id, body=body)
     return BatchOutputLine(id=line_id, custom_id=request.custom_id, response=response,
                            error=BatchLineError(code=code, message=message))

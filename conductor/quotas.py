@@ -259,6 +259,42 @@ def stream_slots(url: str) -> StreamSlots:
     return StreamSlots(url)
 
 
+ENDING_AT_KEY = "conductor:response-ending-at:"
+ENDING_AT_TTL_S = 7 * 24 * 3600
+"""How long a response's stream remembers the number its ending (the answer's events) was sent at: a resume
+later than this gets the ending again, numbered after ``starting_after``."""
+
+
+def note_ending_at(job_id: str, sequence: int, settings: Settings) -> int | None:
+    """Records that the ending of response ``job_id``'s stream starts at event ``sequence``, unless a stream
+    of it recorded one first; the number recorded (None without Redis, or with Redis away: every stream then
+    numbers its ending as it goes)."""
+    if not _uses_redis(settings):
+        return None
+    client = stream_slots(settings.broker_url).client
+    try:
+        pipe = client.pipeline()
+        pipe.set(ENDING_AT_KEY + job_id, sequence, nx=True, ex=ENDING_AT_TTL_S)
+        pipe.get(ENDING_AT_KEY + job_id)
+        _, recorded = pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("response %s: where its stream's ending starts is not recorded: %s", job_id, exc)
+        return None
+    return None if recorded is None else int(recorded)
+
+
+def ending_at(job_id: str, settings: Settings) -> int | None:
+    """The number ``note_ending_at`` recorded for response ``job_id``, or None."""
+    if not _uses_redis(settings):
+        return None
+    try:
+        recorded = stream_slots(settings.broker_url).client.get(ENDING_AT_KEY + job_id)
+    except redis.RedisError as exc:
+        log.warning("response %s: where its stream's ending starts cannot be read: %s", job_id, exc)
+        return None
+    return None if recorded is None else int(recorded)
+
+
 def open_stream(tenant: str, slot: str, settings: Settings) -> None:
     """Takes one of the tenant's ``tenant_max_streams`` stream slots, or raises QuotaExceeded."""
     if not _uses_redis(settings):

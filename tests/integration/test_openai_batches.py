@@ -138,18 +138,29 @@ def test_a_batch_of_responses(oai: openai.OpenAI) -> None:
         response_line("continued", {"model": "conductor", "input": "x", "previous_response_id": "resp_1"}),
         response_line("unknown", {"model": "conductor/no-such-planner", "input": "x"}),
         response_line("bad", {"model": "conductor"}),
+        response_line("cancelled", {"model": "conductor/slow", "input": "cancel me", "background": True}),
         chat_line("wrong-url", "x"),
     ]
     uploaded = oai.files.create(file=("responses.jsonl", jsonl(lines)), purpose="batch")
     created = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
     assert created.endpoint == "/v1/responses"
+    with httpx.Client(base_url=str(oai.base_url), timeout=30, headers={"Authorization": f"Bearer {oai.api_key}"}) as h:
+        jobs = h.get("jobs", params={"batch_id": created.id, "limit": 100}).json()["data"]
+    [slow] = [j["id"] for j in jobs if j["task"] == "cancel me"]
+    assert oai.responses.cancel(slow).status == "cancelled"  # (its 2.5 s planner still running)
     batch = wait_batch(oai, created.id)
     assert batch.status == "completed" and batch.request_counts is not None
-    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 5)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 6)
     output = {line["custom_id"]: line for line in lines_of(oai, batch.output_file_id)}
-    errors = {line["custom_id"]: line["error"]["code"] for line in lines_of(oai, batch.error_file_id)}
+    error_lines = {line["custom_id"]: line for line in lines_of(oai, batch.error_file_id)}
+    errors = {custom_id: line["error"]["code"] for custom_id, line in error_lines.items()}
     assert errors == {"streamed": "invalid_body", "continued": "invalid_body", "unknown": "model_not_found",
-                      "bad": "invalid_body", "wrong-url": "invalid_url"}
+                      "bad": "invalid_body", "wrong-url": "invalid_url", "cancelled": "job_cancelled"}
+    stopped = error_lines["cancelled"]["response"]  # the response, as GET /v1/responses/{id} has it
+    assert stopped["status_code"] == 409 and stopped["body"]["object"] == "response"
+    assert stopped["body"]["status"] == "cancelled" and stopped["body"]["output"] == []
+    assert stopped["body"]["background"] is False  # a line is not a background request
+    assert oai.responses.retrieve(stopped["request_id"]).status == "cancelled"
     plain = output["plain"]["response"]
     assert plain["status_code"] == 200 and plain["body"]["object"] == "response"
     body = plain["body"]

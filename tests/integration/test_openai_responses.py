@@ -430,7 +430,8 @@ def test_a_response_outlasting_the_wait_is_a_504_and_goes_on(proc_env: dict[str,
 def test_a_dropped_stream_resumes_after_its_last_event(api: str, http: httpx.Client, workers: Any) -> None:
     """A client whose stream dropped resumes it with ``retrieve(id, stream=True, starting_after=N)``: the
     events go on from N + 1 (no second ``response.created``) to the answer; the resumed stream holds a
-    stream slot and gives it back. Without ``starting_after`` a stored response streams from the start."""
+    stream slot and gives it back. The ending keeps the numbers it was first sent with: a resume inside it
+    gets only the rest, one after it nothing, and a stream from the start the ending with those numbers."""
     tenant = "responses-resumed-stream"
     slots = redis.Redis.from_url(get_settings().broker_url)
     with openai.OpenAI(base_url=f"{api}/v1", api_key=new_key(tenant), max_retries=0) as client:
@@ -444,27 +445,31 @@ def test_a_dropped_stream_resumes_after_its_last_event(api: str, http: httpx.Cli
         assert [e.sequence_number for e in rest] == list(range(1, len(rest) + 1))
         names = [e.type for e in rest]
         assert "response.created" not in names and names[0] == "response.in_progress"
-        assert names[-7:] == ["response.output_item.added", "response.content_part.added",
-                              "response.output_text.delta", "response.output_text.done",
-                              "response.content_part.done", "response.output_item.done", "response.completed"]
-        answer = wait_terminal(http_for(api, tenant), response_id)["answer"]
-        assert rest[-1].response.output_text == answer != ""  # type: ignore[union-attr]
+        assert names[-7:] == ENDING
+        assert rest[-1].response.output_text == client.responses.retrieve(response_id).output_text != ""
         assert _given_back(slots, tenant)  # both streams' slots given back
 
-        # The whole stream of a response that has ended, from the start; then a resume after its first event.
+        ending = rest[-7:]
+        inside = list(client.responses.retrieve(response_id, stream=True, starting_after=ending[2].sequence_number))
+        assert [(e.type, e.sequence_number) for e in inside] == [(e.type, e.sequence_number) for e in ending[3:]]
+        assert "response.output_text.delta" not in [e.type for e in inside]  # the text comes once
+        assert list(client.responses.retrieve(response_id, stream=True,
+                                              starting_after=ending[-1].sequence_number)) == []
+        assert list(client.responses.retrieve(response_id, stream=True, starting_after=10**9)) == []
         again = list(client.responses.retrieve(response_id, stream=True))
-        assert again[0].type == "response.created" and again[-1].type == "response.completed"
-        assert [e.sequence_number for e in again] == list(range(len(again)))
-        late = list(client.responses.retrieve(response_id, stream=True, starting_after=40))
-        assert late[0].sequence_number == 41 and late[-1].type == "response.completed"
-        assert late[-1].response.output_text == answer
-        with pytest.raises(openai.NotFoundError):  # another tenant's response is not found, streamed or not
-            list(openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("responses-other"), max_retries=0)
-                 .responses.retrieve(response_id, stream=True, starting_after=1))
+        assert [(e.type, e.sequence_number) for e in again] == [("response.created", 0)] + [
+            (e.type, e.sequence_number) for e in ending]
+        assert again[-1].response.output_text == rest[-1].response.output_text
+        assert _given_back(slots, tenant)
+    with (openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("responses-other"), max_retries=0) as stranger,
+          pytest.raises(openai.NotFoundError)):  # another tenant's response is not found, streamed or not
+        list(stranger.responses.retrieve(response_id, stream=True, starting_after=1))
+    assert slots.zrange(STREAMS_KEY + "responses-other", 0, -1) == []  # refused before a slot was taken
 
 
-def http_for(api: str, tenant: str) -> httpx.Client:
-    return httpx.Client(base_url=api, headers={"Authorization": f"Bearer {new_key(tenant)}"}, timeout=30)
+ENDING = ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
+          "response.output_text.done", "response.content_part.done", "response.output_item.done",
+          "response.completed"]
 
 
 def test_a_revoked_key_ends_the_stream_naming_the_response(api: str, workers: Any) -> None:

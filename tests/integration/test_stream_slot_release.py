@@ -177,8 +177,10 @@ def asgi_leaving(method: str, path: str, key: str, body: bytes, *, leaves_at: st
     while a connection takes no more writes) and the next ``receive()`` says the client left, after
     ``on_leave()``. Returns when the app has (the event loop still running: ended, it closes every
     generator left open, which would hide one the response did not close)."""
+    path, _, query = path.partition("?")
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": query.encode(),
              "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
              "headers": [(b"host", b"127.0.0.1:8000"), (b"authorization", f"Bearer {key}".encode()),
                          (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
@@ -215,7 +217,7 @@ def in_process() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("leaves_at", ["http.response.start", "http.response.body"])
-@pytest.mark.parametrize("route", ["events", "chat", "responses"])
+@pytest.mark.parametrize("route", ["events", "chat", "responses", "responses-get"])
 def test_a_stream_whose_client_left_while_a_message_was_sent_releases_its_slot_at_once(
     quiet: tuple[str, redis.Redis], slots: redis.Redis, in_process: None, leaves_at: str, route: str
 ) -> None:
@@ -230,8 +232,13 @@ def test_a_stream_whose_client_left_while_a_message_was_sent_releases_its_slot_a
     elif route == "chat":
         method, path = "POST", "/v1/chat/completions"
         body = b'{"model": "conductor", "stream": true, "messages": [{"role": "user", "content": "t"}]}'
-    else:
+    elif route == "responses":
         method, path, body = "POST", "/v1/responses", b'{"model": "conductor", "stream": true, "input": "t"}'
+    else:  # a stored response streamed (GET ...?stream=true): a background one, queued on the quiet API
+        r = httpx.post(f"{quiet[0]}/v1/responses", json={"model": "conductor", "input": "t", "background": True},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        method, path, body = "GET", f"/v1/responses/{r.json()['id']}?stream=true", b""
     seen: list[int] = []
     sent = asgi_leaving(method, path, key, body, leaves_at=leaves_at, on_leave=lambda: seen.append(held(slots, tenant)))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200, sent

@@ -74,7 +74,7 @@ def upload_file(
     settings: SettingsDep,
 ) -> FileObject:
     """A batch input file (`purpose` must be `batch`): JSONL, one request per line,
-    `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/jobs", "body"}`."""
+    `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/responses" | "/v1/jobs", "body"}`."""
     if purpose != "batch":
         raise OpenAIError(400, f"purpose '{purpose}' is not supported here; use 'batch'", param="purpose",
                           code="invalid_purpose")

@@ -23,7 +23,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session
 
 from conductor.openai_wire import InputItemList, ResponseCreateRequest, ResponseObject
-from conductor.quotas import open_stream
+from conductor.quotas import ending_at, note_ending_at, open_stream
 from conductor.responses import input_items, response_job, response_object, response_row, response_status
 from conductor.service.deps import JOB_ID_RE, SettingsDep, bearer_key
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
@@ -40,7 +40,7 @@ from conductor.service.routes.openai_chat import (
     wait_failed_message,
     wait_for_job,
 )
-from conductor.service.stream_polls import Pace, SlotStream, failure_reason, poll
+from conductor.service.stream_polls import Pace, SlotStream, failure_reason, poll, release_slot
 from conductor.settings import Settings
 from conductor.store.db import get_engine
 from conductor.store.models import Job, JobStatus, OpenAIResponse
@@ -126,8 +126,10 @@ async def retrieve_response(
     `response.created` on; with `starting_after`, resumes a stream that ended early (a dropped connection,
     the wait bound's `error` event): its events are numbered from `starting_after` + 1, and what happened
     meanwhile comes as the response's current state (a `response.in_progress` for the job and one per
-    step while it runs), not event by event; an ended response sends its steps' state and its answer's
-    events (or `response.failed`). `starting_after` alone (without `stream=true`) is refused."""
+    step while it runs), not event by event. The ending (the answer's events, or `response.failed`) keeps
+    the numbers the first stream that sent it gave it: a resume sends only the part of it after
+    `starting_after`, nothing once the client has it all. `starting_after` alone (without `stream=true`) is
+    refused."""
     if not stream:
         if starting_after is not None:
             raise OpenAIError(400, "starting_after resumes a stream: send it with stream=true (without it, this "
@@ -140,9 +142,13 @@ async def retrieve_response(
     found = await run_in_threadpool(_read, response_id, tenant, settings)  # 404 before a slot is taken
     slot = uuid.uuid4().hex
     await run_in_threadpool(open_stream, tenant, slot, settings)
-    events = ResponseEvents(found.id, tenant, settings, key, after=starting_after)
-    return SlotStream(held_stream(events.stream(), found.id, tenant, slot, settings, lapsed=events.lapsed),
-                      tenant=tenant, slot=slot, settings=settings, headers={JOB_HEADER: found.id})
+    try:
+        events = ResponseEvents(found.id, tenant, settings, key, after=starting_after)
+        return SlotStream(held_stream(events.stream(), found.id, tenant, slot, settings, lapsed=events.lapsed),
+                          tenant=tenant, slot=slot, settings=settings, headers={JOB_HEADER: found.id})
+    except BaseException:  # (the response, once made, gives the slot back however it ends)
+        await release_slot(tenant, slot, settings)
+        raise
 
 
 @router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject,
@@ -266,12 +272,16 @@ class ResponseEvents:
 
     ``after``: a resumed stream (``GET /v1/responses/{id}?stream=true&starting_after=N``): numbered from
     ``after + 1``, without ``response.created``; the first poll's state comes as it stands (the job's
-    ``in_progress`` and each step's), then the rest as on a new stream."""
+    ``in_progress`` and each step's), then the rest as on a new stream. The ending's first number is recorded
+    (``quotas.note_ending_at``, in Redis for a week) by the first stream that sends it; a later stream of the
+    ended response sends the ending with those numbers, leaving out those up to ``after`` (so a client that
+    resumes in or after it never gets the answer twice), and no progress events."""
 
     def __init__(self, job_id: str, tenant: str, settings: Settings, key: str | None, *, after: int | None = None):
         self.job_id, self.tenant, self.settings, self.key = job_id, tenant, settings, key
         self.resumed = after is not None
-        self.sequence = 0 if after is None else after + 1
+        self.after = -1 if after is None else after
+        self.sequence = self.after + 1
         self.numbered_last = False
         """Whether the last thing ``stream`` yielded was an event (it took a number), not a keep-alive."""
 
@@ -301,6 +311,18 @@ class ResponseEvents:
             base = await poll(lambda: _read(job_id, self.tenant, settings), job_id=job_id)
             job, steps = await poll(partial(read_progress, job_id, settings, self.key, key_due=pace.key_due()),
                                     job_id=job_id)
+            known = await run_in_threadpool(ending_at, job_id, settings) if job.status in JobStatus.TERMINAL else None
+            if known is not None:
+                # Its ending was sent before, by a stream that numbered it from ``known``: sent again with those
+                # numbers, what the client already has of it left out (all of it: nothing is sent), and
+                # without the progress of a job that has ended, which numbered what came between.
+                if not self.resumed:
+                    yield self.event("response.created", response=_progress(base, job))
+                ended = await poll(lambda: _read(job_id, self.tenant, settings), job_id=job_id)
+                self.sequence = known
+                for event in self._ending(ended):
+                    yield event
+                return
             if not self.resumed:
                 yield self.event("response.created", response=_progress(base, job))
             while True:
@@ -340,11 +362,22 @@ class ResponseEvents:
                                             f"has it when it ends, and GET /v1/responses/{job_id}?stream=true&"
                                             f"starting_after={self.sequence} resumes this stream")
             return
-        if final.status in ("completed", "incomplete"):
-            for event in self._answer(final):
-                yield event
-        else:
+        recorded = await run_in_threadpool(note_ending_at, job_id, self.sequence, settings)
+        if recorded is not None and recorded > self.sequence:
+            self.sequence = recorded  # another stream of it sent the ending first, numbered from there
+        for event in self._ending(final):
+            yield event
+
+    def _ending(self, final: ResponseObject) -> Iterator[str]:
+        """The stream's last events, numbered from ``self.sequence``: the answer's (``_answer``), or
+        ``response.failed``; those numbered up to ``self.after`` are left out (a resumed stream's client
+        has them)."""
+        def failed() -> Iterator[str]:
             yield self.event("response.failed", response=_dump(final))
+
+        for event in self._answer(final) if final.status in ("completed", "incomplete") else failed():
+            if self.sequence - 1 > self.after:
+                yield event
 
     def _answer(self, final: ResponseObject) -> Iterator[str]:
         """The answer's events, each numbered as it is taken (``lapsed`` relies on it)."""
