@@ -244,6 +244,7 @@ class StreamSlots:
     def __init__(self, url: str):
         self.client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
         self._take = self.client.register_script(TAKE_STREAM_LUA)
+        self.note_ending = self.client.register_script(NOTE_ENDING_LUA)
 
     def hold(self, tenant: str, slot: str, *, limit: int) -> int:
         """Extends ``slot`` while it is held (``EXTENDED``), else takes it (``TAKEN``) unless the tenant
@@ -265,22 +266,32 @@ ENDING_AT_TTL_S = 7 * 24 * 3600
 later than this gets the ending again, numbered after ``starting_after``."""
 
 
+NOTE_ENDING_LUA = """
+local recorded = redis.call('GET', KEYS[1])
+if recorded and tonumber(recorded) >= tonumber(ARGV[1]) then
+  return tonumber(recorded)
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return tonumber(ARGV[1])
+"""
+"""A stream about to send a response's ending at ``ARGV[1]``: it takes the number recorded when that is not
+below its own (its ending then keeps the recorded numbers, a gap before them); else it records its own."""
+
+
 def note_ending_at(job_id: str, sequence: int, settings: Settings) -> int | None:
-    """Records that the ending of response ``job_id``'s stream starts at event ``sequence``, unless a stream
-    of it recorded one first; the number recorded (None without Redis, or with Redis away: every stream then
-    numbers its ending as it goes)."""
+    """Where the ending of response ``job_id``'s stream starts, for a stream about to send it at ``sequence``:
+    the number recorded by an earlier stream when it is not below ``sequence`` (the ending keeps the numbers
+    a resume will use), else ``sequence``, recorded in its place. Replaced rather than kept: a stream past
+    the recorded number is most likely the resume of the one that recorded it, whose client has gone. None
+    without Redis, or with Redis away (every stream then numbers its ending as it goes)."""
     if not _uses_redis(settings):
         return None
-    client = stream_slots(settings.broker_url).client
+    slots = stream_slots(settings.broker_url)
     try:
-        pipe = client.pipeline()
-        pipe.set(ENDING_AT_KEY + job_id, sequence, nx=True, ex=ENDING_AT_TTL_S)
-        pipe.get(ENDING_AT_KEY + job_id)
-        _, recorded = pipe.execute()
+        return int(slots.note_ending(keys=[ENDING_AT_KEY + job_id], args=[sequence, ENDING_AT_TTL_S]))
     except redis.RedisError as exc:
         log.warning("response %s: where its stream's ending starts is not recorded: %s", job_id, exc)
         return None
-    return None if recorded is None else int(recorded)
 
 
 def ending_at(job_id: str, settings: Settings) -> int | None:

@@ -7,8 +7,9 @@ import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, NonNegativeFloat, field_validator
+from pydantic import AliasChoices, Field, HttpUrl, NonNegativeFloat, TypeAdapter, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -76,22 +77,83 @@ def allowlist_entry_problem(entry: str) -> str | None:
     return None
 
 
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+HOST_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+"""One label of a host name as stored URLs hold it (lowercase ASCII, internationalised names in punycode)."""
+
+
 def denied_target_problem(entry: str) -> str | None:
     """Why the ``webhook_denied_targets`` entry ``entry`` is neither an IP address or network (CIDR) nor a
     host name as ``allowed_hosts`` writes one (None when it is)."""
-    if _network(entry) is not None:
-        return None
-    name = host_name(entry)
-    if not name or name == "*" or ":" in name or "/" in name:
-        return "it is neither an IP address or network nor a host name"
-    return allowlist_entry_problem(entry)
-
-
-def _network(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
     try:
-        return ipaddress.ip_network(entry.strip().strip("[]"), strict=False)
+        denied_entry(entry)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def denied_entry(entry: str) -> IPNetwork | str:
+    """A ``webhook_denied_targets`` entry as what a webhook URL's host is compared with: a network (an address
+    is a /32 or /128; an IPv4-mapped IPv6 one the IPv4 network it maps), or a host name normalised as stored
+    webhook URLs are (lowercase, punycode, no trailing dot), ``*.`` kept in front of a wildcard's suffix.
+    A port is ignored (``8.8.8.8:443``, ``[2001:db8::1]:443``). Raises ValueError naming the problem."""
+    name = host_name(entry)
+    if not name or name == "*":
+        raise ValueError("it names no host" if not name else "'*' would refuse every target")
+    network = _network(name)
+    if network is not None:
+        return network
+    if "*" in name:
+        problem = allowlist_entry_problem(entry)
+        if problem is not None:
+            raise ValueError(problem)
+        prefix, rest = "*.", name[2:]
+    else:
+        prefix, rest = "", name
+    try:
+        parts = urlsplit(str(TypeAdapter(HttpUrl).validate_python(f"http://{rest}/")))
+    except ValueError as exc:
+        raise ValueError("it is neither an IP address or network nor a host name") from exc
+    normal = (parts.hostname or "").rstrip(".")
+    if _network(normal) is not None:  # 10, 1.2.3, 0x08080404: a resolver reads them as addresses
+        raise ValueError(f"it reads as the address {normal}: write an IPv4 address in dotted decimal")
+    if not normal or not all(HOST_LABEL.fullmatch(label) for label in normal.split(".")):
+        raise ValueError("it is neither an IP address or network nor a host name")
+    return prefix + normal
+
+
+def _network(text: str) -> IPNetwork | None:
+    try:
+        network = ipaddress.ip_network(text, strict=False)
     except ValueError:
         return None
+    mapped = network.network_address.ipv4_mapped if isinstance(network, ipaddress.IPv6Network) else None
+    if mapped is not None and network.prefixlen >= 96:  # ::ffff:1.2.3.4 means 1.2.3.4
+        return ipaddress.ip_network(f"{mapped}/{network.prefixlen - 96}", strict=False)
+    return network
+
+
+@lru_cache(maxsize=16)
+def webhook_denied(denied_targets: str, allowed_hosts: str) -> tuple[tuple[IPNetwork, ...], tuple[str, ...]]:
+    """``webhook_denied_targets`` as (networks, names in ``denied_entry``'s form), with the API's own names
+    and addresses from ``allowed_hosts`` (not its wildcards: a tenant's receiver may live below the API's
+    domain; not loopback, refused already unless ``webhook_allow_loopback`` lets it be). Cached: a
+    submission with a webhook and every delivery read it."""
+    networks: list[IPNetwork] = []
+    names: list[str] = []
+    own = [host_name(n) for n in allowed_hosts.split(",") if n.strip()]
+    own = [n for n in own if n and "*" not in n and n not in LOOPBACK_HOST_NAMES and not n.endswith(".localhost")]
+    listed = [(e.strip(), True) for e in denied_targets.split(",") if e.strip()]
+    for entry, explicit in listed + [(n, False) for n in own]:
+        try:
+            target = denied_entry(entry)
+        except ValueError:
+            continue  # (a denied target is checked at start; an allowed host that is no target is not one)
+        if isinstance(target, str):
+            names.append(target)
+        elif explicit or not target.is_loopback:
+            networks.append(target)
+    return tuple(dict.fromkeys(networks)), tuple(dict.fromkeys(names))
 
 
 def host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
@@ -381,29 +443,9 @@ class Settings(BaseSettings):
             return names
         return ("*",) if self.auth_required else LOOPBACK_HOST_NAMES
 
-    def webhook_denied(self) -> tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...], tuple[str, ...]]:
-        """``webhook_denied_targets`` as (networks, host names in ``host_name``'s form, ``*.suffix`` ones
-        included), with the API's own names from ``allowed_hosts`` (not its wildcards: a tenant's receiver may
-        live below the API's domain) among the names."""
-        networks, names = [], []
-        for entry in (e.strip() for e in self.webhook_denied_targets.split(",")):
-            if not entry:
-                continue
-            network = _network(entry)
-            if network is not None:
-                networks.append(network)
-            else:
-                names.append(host_name(entry))
-        for entry in (host_name(n) for n in self.allowed_hosts.split(",") if n.strip()):
-            # (loopback names and addresses are refused already, unless webhook_allow_loopback lets them be)
-            if "*" in entry or entry in LOOPBACK_HOST_NAMES or entry.endswith(".localhost"):
-                continue
-            network = _network(entry)
-            if network is None:
-                names.append(entry)
-            elif not network.is_loopback:
-                networks.append(network)
-        return tuple(networks), tuple(dict.fromkeys(names))
+    def webhook_denied(self) -> tuple[tuple[IPNetwork, ...], tuple[str, ...]]:
+        """The webhook targets this deployment refuses besides the non-public ranges (``webhook_denied``)."""
+        return webhook_denied(self.webhook_denied_targets, self.allowed_hosts)
 
     def step_max_duration_s(self, call_timeout_s: float | None = None) -> float:
         """The longest a step may run while its worker lives: every attempt waiting its full rate-limit

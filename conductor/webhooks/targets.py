@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import socket
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -67,8 +68,15 @@ OWN = "one of this deployment's own (CONDUCTOR_WEBHOOK_DENIED_TARGETS, CONDUCTOR
 
 
 def denied_of(settings: Settings) -> Denied:
-    """The ``Denied`` targets of ``settings``."""
-    networks, names = settings.webhook_denied()
+    """The ``Denied`` targets of ``settings`` (built once per value of the two settings)."""
+    return _denied(settings.webhook_denied_targets, settings.allowed_hosts)
+
+
+@lru_cache(maxsize=16)
+def _denied(denied_targets: str, allowed_hosts: str) -> Denied:
+    from conductor.settings import webhook_denied
+
+    networks, names = webhook_denied(denied_targets, allowed_hosts)
     return Denied(networks, names)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,16 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from conductor.quotas import STREAMS_KEY, close_stream, open_stream, refresh_stream
+from conductor.quotas import (
+    ENDING_AT_KEY,
+    ENDING_AT_TTL_S,
+    STREAMS_KEY,
+    close_stream,
+    ending_at,
+    note_ending_at,
+    open_stream,
+    refresh_stream,
+)
 from conductor.settings import get_settings
 from conductor.store import jobs as store
 from conductor.store.db import get_engine, session_scope
@@ -406,3 +416,19 @@ def _follow(jobs: list[Job], job: Any, counts: Any, set_status: Any) -> None:
         assert store.count_jobs_in_flight(s, tenant=jobs[0].tenant) == 0
         s.rollback()
     assert counts() == (2, 2)
+
+
+def test_a_responses_ending_number_is_kept_for_streams_below_it_and_replaced_by_one_past_it() -> None:
+    """``note_ending_at`` (real Redis): a stream about to send a response's ending at a number not above the
+    recorded one takes the recorded one (its ending keeps the numbers a resume uses, a gap before them); a
+    stream already past it (the resume of a stream whose client dropped) records its own, with the key's
+    week-long expiry."""
+    settings = get_settings()
+    job_id = uuid.uuid4().hex
+    assert ending_at(job_id, settings) is None
+    assert note_ending_at(job_id, 10, settings) == 10
+    assert note_ending_at(job_id, 4, settings) == 10 and ending_at(job_id, settings) == 10
+    assert note_ending_at(job_id, 10, settings) == 10
+    assert note_ending_at(job_id, 15, settings) == 15 and ending_at(job_id, settings) == 15
+    ttl = redis.Redis.from_url(settings.broker_url).ttl(ENDING_AT_KEY + job_id)
+    assert ENDING_AT_TTL_S - 60 < ttl <= ENDING_AT_TTL_S

@@ -209,3 +209,25 @@ def test_a_continued_response_begins_with_the_previous_input_and_answer_not_its_
 def test_the_lean_state_read_is_the_whole_rows_on_sqlite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with sqlite_store(tmp_path, monkeypatch):
         check_the_lean_read_is_the_whole_rows()
+
+
+def test_a_slot_lapsing_inside_the_ending_finishes_it_instead_of_taking_one_of_its_numbers() -> None:
+    """The ending's numbers are the response's for every later stream (a resume after N sends only the
+    ending's events numbered after N). A lapse replacing one of them with an ``error`` event numbered like
+    it (as a lapse anywhere else does) made a resume after that error skip the event it replaced: the
+    rest of the ending is sent instead, with its own numbers. Before the ending, a lapse is the error."""
+    now = datetime.now(UTC)
+    job = Job.model_construct(id="a" * 32, status="succeeded", created_at=now, finished_at=now, answer="42",
+                              input_tokens=3, output_tokens=1, cost_usd=0.0, calls=1, meta=None, limits={},
+                              context=None)
+    final = response_object(job, OpenAIResponse(job_id=job.id, model="conductor", background=False,
+                                                instructions=False))
+    events = ResponseEvents(job.id, "t", Settings(), None, after=3)  # type: ignore[call-arg]
+    assert [e.split("\n")[0] for e in events.lapsed("gone")] == ["event: error"]  # before the ending
+    events.sequence = 10
+    ending = events._send_ending(final)
+    first, second = next(ending), next(ending)  # the second is the one held_stream drops on a lapse
+    assert '"sequence_number": 10' in first and '"sequence_number": 11' in second
+    rest = events.lapsed("gone")
+    assert [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in rest] == list(range(11, 17))
+    assert rest[-1].startswith("event: response.completed")

@@ -16,6 +16,7 @@ from conductor.webhooks.targets import (
     check_url,
     denied_of,
     literal_address,
+    normalize_url,
     resolve,
 )
 
@@ -172,7 +173,24 @@ def test_a_name_resolving_into_a_denied_network_is_refused_at_send_time(monkeypa
 
 
 @pytest.mark.parametrize("entry", ["*", "93.184.215.14/33", "a*b.example.com", "*.", "[]", "http://x.example.com",
-                                   "flower.example.com:5555:1"])
+                                   "flower.example.com:5555:1", "a b", "10", "1.2.3", "0x08080404", "-x.example.com"])
 def test_a_malformed_denied_target_stops_the_process_at_start(entry: str) -> None:
+    """Including what a resolver would read as an address (``10`` is 0.0.0.10): written so, it protected
+    nothing (kept as a name no URL's host has)."""
     with pytest.raises(ValueError, match="CONDUCTOR_WEBHOOK_DENIED_TARGETS entry"):
         Settings(webhook_denied_targets=entry)  # type: ignore[call-arg]
+
+
+def test_denied_entries_are_read_as_the_urls_they_must_match() -> None:
+    """An address with a port (as CONDUCTOR_ALLOWED_HOSTS may write it), an IPv4-mapped one, an
+    internationalised or upper-case name: each refuses the URL a tenant would write for that target (stored
+    URLs hold punycode names and plain addresses), not only the spelling listed."""
+    denied = _denied(webhook_denied_targets="8.8.8.8:443, [2606:4700::1]:443, ::ffff:1.1.1.1, Flöwer.Example.COM., "
+                                            "*.Bücher.example")
+    for url in ("http://8.8.8.8/x", "https://[2606:4700::1]/x", "https://1.1.1.1/x", "http://[::ffff:1.1.1.1]/x",
+                normalize_url("https://flöwer.example.com/x"), normalize_url("https://shop.bücher.example/x")):
+        with pytest.raises(UnsafeTarget, match="this deployment's own"):
+            check_url(url, allow_loopback=False, denied=denied)
+    check_url("https://8.8.4.4/x", allow_loopback=False, denied=denied)
+    assert denied_of(Settings(webhook_denied_targets="8.8.8.8")) is denied_of(  # type: ignore[call-arg]
+        Settings(webhook_denied_targets="8.8.8.8"))  # type: ignore[call-arg]  # built once per value

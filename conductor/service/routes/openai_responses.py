@@ -284,6 +284,8 @@ class ResponseEvents:
         self.sequence = self.after + 1
         self.numbered_last = False
         """Whether the last thing ``stream`` yielded was an event (it took a number), not a keep-alive."""
+        self.unsent: list[str] = []
+        """The ending's events not yet passed on (``_send_ending``)."""
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence}
@@ -296,10 +298,22 @@ class ResponseEvents:
 
     def lapsed(self, message: str) -> list[str]:
         """The stream's end when its slot lapsed: ``held_stream`` sends it in place of what ``stream`` had
-        just yielded, so an event dropped gives its number back (the numbers the client sees have no gap)."""
+        just yielded, so an event dropped gives its number back (the numbers the client sees have no gap).
+        Inside the ending, the ending is finished instead (at most seven events, already numbered): its
+        numbers are the response's for every later stream, so an error taking one of them would make a
+        resume after it skip the event it replaced."""
+        if self.unsent:
+            return list(self.unsent)
         if self.numbered_last:
             self.sequence -= 1
         return [self.error("rate_limit_exceeded", message)]
+
+    def _send_ending(self, final: ResponseObject) -> Iterator[str]:
+        """``_ending``'s events, each taken off ``unsent`` once ``held_stream`` has passed it on."""
+        self.unsent = list(self._ending(final))
+        while self.unsent:
+            yield self.unsent[0]
+            self.unsent.pop(0)
 
     async def stream(self) -> AsyncGenerator[str, None]:
         job_id, settings = self.job_id, self.settings
@@ -320,7 +334,7 @@ class ResponseEvents:
                     yield self.event("response.created", response=_progress(base, job))
                 ended = await poll(lambda: _read(job_id, self.tenant, settings), job_id=job_id)
                 self.sequence = known
-                for event in self._ending(ended):
+                for event in self._send_ending(ended):
                     yield event
                 return
             if not self.resumed:
@@ -365,7 +379,7 @@ class ResponseEvents:
         recorded = await run_in_threadpool(note_ending_at, job_id, self.sequence, settings)
         if recorded is not None and recorded > self.sequence:
             self.sequence = recorded  # another stream of it sent the ending first, numbered from there
-        for event in self._ending(final):
+        for event in self._send_ending(final):
             yield event
 
     def _ending(self, final: ResponseObject) -> Iterator[str]:
