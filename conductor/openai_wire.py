@@ -61,7 +61,7 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool | None = False  # null as false: the official clients' types admit it
+    include_usage: bool | None = Field(default=False, strict=True)  # null as false: the clients' types admit it
 
 
 class ChatCompletionRequest(BaseModel):
@@ -72,7 +72,7 @@ class ChatCompletionRequest(BaseModel):
 
     model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS, description="`conductor` or `conductor/<planner>`")
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
-    stream: bool | None = False  # null as false (openai-python's ``stream: Optional[Literal[False]]``)
+    stream: bool | None = Field(default=False, strict=True)  # null as false (openai-python's Optional[Literal[False]])
     stream_options: StreamOptions | None = None
     metadata: Metadata | None = Field(
         default=None, max_length=MAX_METADATA_PAIRS, description="Stored as the job's metadata."
@@ -80,16 +80,16 @@ class ChatCompletionRequest(BaseModel):
     n: Literal[1] | None = None
     user: str | None = Field(default=None, max_length=512)
     max_completion_tokens: int | None = Field(
-        default=None, ge=1, le=MAX_LIMIT_TOKENS,
+        default=None, ge=1, le=MAX_LIMIT_TOKENS, strict=True,
         description="Caps the answer: the answering step's output (the job's `limits.max_answer_tokens`).")
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_LIMIT_TOKENS,
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_LIMIT_TOKENS, strict=True,
                                    description="As `max_completion_tokens`, which wins when both are sent.")
     # Accepted for compatibility, not used (each step runs with its agent's own settings).
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(default=None, ge=0, le=1, strict=True)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, strict=True)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, strict=True)
+    seed: int | None = Field(default=None, strict=True)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
 
     @field_validator("model", "messages", "metadata", "user", "stop")
@@ -210,9 +210,11 @@ class ResponseCreateRequest(BaseModel):
     input: str | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)] = Field(
         description="The task, or messages whose last (a user message) is the task and the rest its context.")
     instructions: str | None = Field(default=None, description="A system message before the input.")
-    background: bool | None = Field(default=False, description="Answer at once (`queued`); poll for the end.")
-    stream: bool | None = False
-    store: bool | None = Field(default=True, description="Must not be false: every response is a stored job.")
+    background: bool | None = Field(default=False, strict=True,
+                                    description="Answer at once (`queued`); poll for the end.")
+    stream: bool | None = Field(default=False, strict=True)
+    store: bool | None = Field(default=True, strict=True,
+                               description="Must not be false: every response is a stored job.")
     metadata: Metadata | None = Field(
         default=None, max_length=MAX_METADATA_PAIRS, description="Stored as the job's metadata."
     )
@@ -220,15 +222,15 @@ class ResponseCreateRequest(BaseModel):
         default=None, max_length=MAX_RESPONSE_ID_CHARS,
         description="Continue that response: its input and answer come before this input (not its instructions).")
     max_output_tokens: int | None = Field(
-        default=None, ge=1, le=MAX_LIMIT_TOKENS,
+        default=None, ge=1, le=MAX_LIMIT_TOKENS, strict=True,
         description="Caps the answer: the answering step's output (the job's `limits.max_answer_tokens`).")
     # Accepted for compatibility, not used (each step runs with its agent's own settings).
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(default=None, ge=0, le=1, strict=True)
     user: str | None = Field(default=None, max_length=512)
     safety_identifier: str | None = Field(default=None, max_length=512)
     prompt_cache_key: str | None = Field(default=None, max_length=512)
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(default=None, strict=True)
     truncation: Literal["auto", "disabled"] | None = None
     stream_options: dict[str, Any] | None = None
     tools: Annotated[list[Any], Field(max_length=0)] | None = Field(default=None, description="Only `[]`.")

@@ -53,7 +53,7 @@ class ReplayRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     from_step: int | None = Field(
-        default=None, ge=0, le=MAX_STEP_INDEX,
+        default=None, ge=0, le=MAX_STEP_INDEX, strict=True,
         description="Re-run this step and what depends on it; reuse the original's other outputs. "
         "Omitted: every step runs again.",
     )
@@ -64,7 +64,8 @@ class ReplayRequest(BaseModel):
     )
     pool: str | None = Field(default=None, max_length=64, description="Run on this pool instead of the "
                              "original's snapshot of its pool.")
-    replan: bool = Field(default=False, description="Ask the planner again instead of reusing the workflow.")
+    replan: bool = Field(default=False, strict=True,
+                         description="Ask the planner again instead of reusing the workflow.")
 
 
 def create_replay(

@@ -48,16 +48,20 @@ step reserves its child's whole allowance in a 32-bit column)."""
 
 
 class Limits(BaseModel):
+    """Numbers are strict (``strict=True`` here and on the OpenAI routes' numeric and boolean fields): JSON's
+    ``true`` and ``"5"`` are not numbers, though pydantic's lax mode reads them as 1 and 5 (a schema-violating
+    request the API accepted, found by the schemathesis test)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    max_steps: int | None = Field(default=None, ge=1, le=50)
-    max_depth: int | None = Field(default=None, ge=0, le=5)
-    max_cost_usd: float | None = Field(default=None, gt=0, le=MAX_LIMIT_COST_USD, allow_inf_nan=False)
-    max_tokens: int | None = Field(default=None, gt=0, le=MAX_LIMIT_TOKENS)
-    max_answer_tokens: int | None = Field(default=None, gt=0, le=MAX_LIMIT_TOKENS)
+    max_steps: int | None = Field(default=None, ge=1, le=50, strict=True)
+    max_depth: int | None = Field(default=None, ge=0, le=5, strict=True)
+    max_cost_usd: float | None = Field(default=None, gt=0, le=MAX_LIMIT_COST_USD, allow_inf_nan=False, strict=True)
+    max_tokens: int | None = Field(default=None, gt=0, le=MAX_LIMIT_TOKENS, strict=True)
+    max_answer_tokens: int | None = Field(default=None, gt=0, le=MAX_LIMIT_TOKENS, strict=True)
     """The answering step's (the last step's) output cap, below its agent's ``max_tokens``: the OpenAI
     routes' ``max_output_tokens`` / ``max_completion_tokens``. Other steps and the planner keep theirs."""
-    deadline_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+    deadline_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600, strict=True)
 
 
 class JobCreate(BaseModel):
