@@ -127,9 +127,8 @@ async def retrieve_response(
     the wait bound's `error` event): its events are numbered from `starting_after` + 1, and what happened
     meanwhile comes as the response's current state (a `response.in_progress` for the job and one per
     step while it runs), not event by event. The ending (the answer's events, or `response.failed`) keeps
-    the numbers the first stream that sent it gave it: a resume sends only the part of it after
-    `starting_after`, nothing once the client has it all. `starting_after` alone (without `stream=true`) is
-    refused."""
+    the numbers recorded when a stream sent it: a resume sends only the part of it after `starting_after`,
+    nothing once the client has it all. `starting_after` alone (without `stream=true`) is refused."""
     if not stream:
         if starting_after is not None:
             raise OpenAIError(400, "starting_after resumes a stream: send it with stream=true (without it, this "
@@ -273,9 +272,10 @@ class ResponseEvents:
     ``after``: a resumed stream (``GET /v1/responses/{id}?stream=true&starting_after=N``): numbered from
     ``after + 1``, without ``response.created``; the first poll's state comes as it stands (the job's
     ``in_progress`` and each step's), then the rest as on a new stream. The ending's first number is recorded
-    (``quotas.note_ending_at``, in Redis for a week) by the first stream that sends it; a later stream of the
-    ended response sends the ending with those numbers, leaving out those up to ``after`` (so a client that
-    resumes in or after it never gets the answer twice), and no progress events."""
+    (``quotas.note_ending_at``, in Redis for a week) by the stream that sends it (a stream whose own numbers
+    are past a recorded one records its own instead); a later stream of the ended response sends the ending
+    with those numbers, leaving out those up to ``after`` (so a client that resumes in or after it never gets
+    the answer twice), and no progress events."""
 
     def __init__(self, job_id: str, tenant: str, settings: Settings, key: str | None, *, after: int | None = None):
         self.job_id, self.tenant, self.settings, self.key = job_id, tenant, settings, key
