@@ -443,10 +443,6 @@ class Settings(BaseSettings):
             return names
         return ("*",) if self.auth_required else LOOPBACK_HOST_NAMES
 
-    def webhook_denied(self) -> tuple[tuple[IPNetwork, ...], tuple[str, ...]]:
-        """The webhook targets this deployment refuses besides the non-public ranges (``webhook_denied``)."""
-        return webhook_denied(self.webhook_denied_targets, self.allowed_hosts)
-
     def step_max_duration_s(self, call_timeout_s: float | None = None) -> float:
         """The longest a step may run while its worker lives: every attempt waiting its full rate-limit
         wait and calling for its full timeout (the agent's, else ``provider_timeout_s``), and between

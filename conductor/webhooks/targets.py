@@ -42,7 +42,7 @@ class Unresolvable(ValueError):
 @dataclass(frozen=True)
 class Denied:
     """Public targets refused besides the non-public ranges: this deployment's own
-    (``Settings.webhook_denied``: ``CONDUCTOR_WEBHOOK_DENIED_TARGETS`` and the API's own host names)."""
+    (``settings.webhook_denied``: ``CONDUCTOR_WEBHOOK_DENIED_TARGETS`` and the API's own host names)."""
 
     networks: tuple[IPNetwork, ...] = ()
     names: tuple[str, ...] = ()
