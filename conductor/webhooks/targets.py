@@ -50,17 +50,14 @@ class Denied:
 
     def network_of(self, address: IPAddress) -> IPNetwork | None:
         """The denied network holding ``address`` (or the IPv4 address an IPv6 one carries), or None."""
-        reached = [address]
-        if isinstance(address, ipaddress.IPv6Address):
-            embedded = address.ipv4_mapped or address.sixtofour
-            if embedded is None and (address in NAT64 or address in IPV4_TRANSLATED):
-                embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-            if embedded is not None:
-                reached.append(embedded)
+        embedded = embedded_ipv4(address)
+        reached = [address] if embedded is None else [address, embedded]
         return next((net for net in self.networks for a in reached if a.version == net.version and a in net), None)
 
     def has_name(self, name: str) -> bool:
-        return any(entry == name or (entry.startswith("*.") and name.endswith(entry[1:])) for entry in self.names)
+        from conductor.settings import host_allowed  # (names match as the Host allowlist's do; never "*")
+
+        return host_allowed(name, self.names)
 
 
 NOTHING_DENIED = Denied()
@@ -127,14 +124,23 @@ def address_problem(address: IPAddress, *, allow_loopback: bool) -> str | None:
     return None if kind is None else f"{address} is {kind}"
 
 
+def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one carries and reaches (IPv4-mapped or -translated, 6to4, well-known
+    NAT64), or None."""
+    if not isinstance(address, ipaddress.IPv6Address):
+        return None
+    embedded = address.ipv4_mapped or address.sixtofour
+    if embedded is None and (address in NAT64 or address in IPV4_TRANSLATED):
+        embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return embedded
+
+
 def address_kind(address: IPAddress, *, allow_loopback: bool) -> str | None:
     """What makes ``address`` unsafe to call ("a private address", …), or None. An IPv6 address that
     carries an IPv4 one (IPv4-mapped or -translated, 6to4, well-known NAT64) is judged by the IPv4 address
     it reaches."""
     if isinstance(address, ipaddress.IPv6Address):
-        embedded = address.ipv4_mapped or address.sixtofour
-        if embedded is None and (address in NAT64 or address in IPV4_TRANSLATED):
-            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        embedded = embedded_ipv4(address)
         if embedded is not None:
             kind = address_kind(embedded, allow_loopback=allow_loopback)
             return None if kind is None else f"{kind} ({embedded}) inside an IPv6 one"
