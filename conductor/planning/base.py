@@ -18,6 +18,10 @@ class PlannerUsage:
     cost_usd: float = 0.0
     calls: int = 0
     latency_ms: int = 0
+    cached_input_tokens: int = 0
+    """Of ``input_tokens``, those the provider read from its prompt cache."""
+    reasoning_tokens: int = 0
+    """Of ``output_tokens``, the model's reasoning."""
 
 
 @dataclass

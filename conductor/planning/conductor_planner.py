@@ -115,6 +115,8 @@ def _describe(exc: ValueError, completion: Completion, max_tokens: int) -> str:
 def _add_usage(usage: PlannerUsage, completion: Completion, price: Price) -> None:
     usage.input_tokens += completion.input_tokens
     usage.output_tokens += completion.output_tokens
-    usage.cost_usd += price.cost(completion.input_tokens, completion.output_tokens)
+    usage.cached_input_tokens += completion.cached_input_tokens
+    usage.reasoning_tokens += completion.reasoning_tokens
+    usage.cost_usd += price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens)
     usage.calls += 1
     usage.latency_ms += completion.latency_ms

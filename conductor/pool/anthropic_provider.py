@@ -2,6 +2,15 @@
 
 The SDK (2.x) speaks API version 2026-10-21, which rejects sampling parameters (``temperature``,
 ``top_p``, ``top_k``) on every model, so none are sent: ``CallOptions.temperature`` does not apply.
+
+Usage: Anthropic's ``usage.input_tokens`` counts only the prompt tokens after the last cache breakpoint;
+the tokens read from the prompt cache (``cache_read_input_tokens``) and written to it
+(``cache_creation_input_tokens``) are reported apart. ``Completion.input_tokens`` is every prompt token, as
+OpenAI counts it: the three added. Of them, ``cached_input_tokens`` are the cache reads (priced at the
+agent's ``cached_input_per_mtok``); cache writes count as ordinary input, at ``input_per_mtok`` (Anthropic
+bills them at 1.25x that for the 5-minute cache, 2x for the 1-hour one; a price has no cache-write rate, so
+their cost is under-counted). ``reasoning_tokens`` stays 0: Anthropic does not report thinking tokens apart
+from ``output_tokens`` (which includes them; this provider does not ask for extended thinking anyway).
 """
 
 from __future__ import annotations
@@ -90,19 +99,25 @@ class AnthropicProvider(Provider):
             raise malformed_response(self.where, "expected a JSON message object", secret=api_key)
         try:
             text = "".join(block.text for block in response.content if block.type == "text")
-            input_tokens = response.usage.input_tokens
-            output_tokens = response.usage.output_tokens
+            usage = response.usage
+            input_tokens = usage.input_tokens
+            output_tokens = usage.output_tokens
+            # absent or null: no cache was used (older API versions, compatible servers)
+            cache_writes = usage.cache_creation_input_tokens or 0
+            cache_reads = usage.cache_read_input_tokens or 0
             stop_reason = response.stop_reason
             model = response.model or self.config.model
         except (AttributeError, TypeError) as exc:
             raise malformed_response(self.where, f"missing field ({exc})", secret=api_key) from None
-        if not (isinstance(input_tokens, int) and isinstance(output_tokens, int)):
+        if not all(isinstance(n, int) for n in (input_tokens, output_tokens, cache_writes, cache_reads)):
             raise malformed_response(self.where, "usage has the wrong type", secret=api_key)
         raw_reason = str(stop_reason) if stop_reason is not None else "unknown"
+        prompt_tokens = input_tokens + max(0, cache_writes) + max(0, cache_reads)  # the module docstring: Usage
         return Completion(
             text=text,
-            input_tokens=input_tokens,
+            input_tokens=prompt_tokens,
             output_tokens=output_tokens,
+            cached_input_tokens=max(0, min(cache_reads, prompt_tokens)),
             finish_reason=FINISH_REASONS.get(raw_reason, raw_reason),
             model=str(model),
             latency_ms=latency_ms,

@@ -36,11 +36,17 @@ class Completion:
     text: str
     """As Postgres can store it (``storable_text``), whatever the provider sent."""
     input_tokens: int
+    """Every prompt token, the cached ones too (as OpenAI counts; Anthropic's cache reads and writes added)."""
     output_tokens: int
+    """Every generated token, reasoning (thinking) included."""
     finish_reason: str
     model: str
     latency_ms: int
     extra: dict[str, Any] = field(default_factory=dict)
+    cached_input_tokens: int = 0
+    """Of ``input_tokens``, those the provider read from its prompt cache (billed at the cached price)."""
+    reasoning_tokens: int = 0
+    """Of ``output_tokens``, the model's reasoning (OpenAI's reasoning tokens, Gemini's thoughts)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", storable_text(self.text))

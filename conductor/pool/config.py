@@ -36,9 +36,22 @@ class Price(BaseModel):
     model_config = ConfigDict(extra="forbid")
     input_per_mtok: float = Field(default=0.0, ge=0)
     output_per_mtok: float = Field(default=0.0, ge=0)
+    cached_input_per_mtok: float | None = Field(default=None, ge=0)
+    """The price of an input token read from the provider's prompt cache; None: ``input_per_mtok``."""
 
-    def cost(self, input_tokens: int, output_tokens: int) -> float:
-        return (input_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1_000_000
+    def cost(self, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0) -> float:
+        """``cached_input_tokens`` are part of ``input_tokens`` (at most all of them), priced apart."""
+        cached = min(max(cached_input_tokens, 0), input_tokens)
+        cached_price = self.input_per_mtok if self.cached_input_per_mtok is None else self.cached_input_per_mtok
+        return ((input_tokens - cached) * self.input_per_mtok + cached * cached_price
+                + output_tokens * self.output_per_mtok) / 1_000_000
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("cached_input_per_mtok") is None:  # a job's pool snapshot stays readable by older workers
+            data.pop("cached_input_per_mtok", None)
+        return data
 
 
 class AgentConfig(BaseModel):

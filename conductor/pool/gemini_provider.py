@@ -147,13 +147,13 @@ class GeminiProvider(Provider):
         parts = candidate.content.parts if candidate.content is not None else None
         text = "".join(p.text for p in parts or [] if p.text and not p.thought)
         usage = response.usage_metadata
+        # promptTokenCount includes the tokens read from the context cache (cachedContentTokenCount).
         input_tokens = (usage.prompt_token_count or 0) if usage is not None else 0
-        # Thinking tokens are billed as output, so they count toward output_tokens (and cost).
-        output_tokens = (
-            (usage.candidates_token_count or 0) + (usage.thoughts_token_count or 0)
-            if usage is not None
-            else 0
-        )
+        cached_tokens = (usage.cached_content_token_count or 0) if usage is not None else 0
+        # Thinking tokens are billed as output, so they count toward output_tokens (and cost);
+        # candidatesTokenCount leaves them out.
+        thoughts_tokens = (usage.thoughts_token_count or 0) if usage is not None else 0
+        output_tokens = ((usage.candidates_token_count or 0) if usage is not None else 0) + thoughts_tokens
         raw_reason = (
             _enum_value(candidate.finish_reason) if candidate.finish_reason is not None else "unknown"
         )
@@ -168,6 +168,8 @@ class GeminiProvider(Provider):
             text=text,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
+            cached_input_tokens=max(0, min(cached_tokens, input_tokens)),
+            reasoning_tokens=max(0, min(thoughts_tokens, output_tokens)),
             finish_reason=FINISH_REASONS.get(raw_reason, raw_reason.lower()),
             model=response.model_version or self.config.model,
             latency_ms=latency_ms,

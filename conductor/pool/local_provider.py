@@ -274,6 +274,8 @@ class LocalProvider(Provider):
             latency_ms = int((time.monotonic() - started) * 1000)
         finally:
             loaded.lock.release()
+        # no cached_input_tokens or reasoning_tokens: llama.cpp reports neither (its reuse of the previous
+        # prompt's KV cache is free), so both stay 0
         return Completion(
             text=text.strip(),
             input_tokens=prompt_tokens,

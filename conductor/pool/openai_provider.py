@@ -117,18 +117,26 @@ class OpenAIProvider(Provider):
             usage = response.usage
             input_tokens = usage.prompt_tokens if usage is not None else 0
             output_tokens = usage.completion_tokens if usage is not None else 0
+            cached_tokens = _detail(usage.prompt_tokens_details, "cached_tokens") if usage is not None else 0
+            reasoning_tokens = (
+                _detail(usage.completion_tokens_details, "reasoning_tokens") if usage is not None else 0
+            )
             finish_reason = choice.finish_reason or "unknown"
             if message.content is None and message.refusal:  # the model declined: as Anthropic's "refusal"
                 finish_reason = "content_filter"
             model = response.model or self.config.model
         except (AttributeError, IndexError, TypeError) as exc:
             raise malformed_response(self.where, f"missing field ({exc})", secret=api_key) from None
-        if not (isinstance(text, str) and isinstance(input_tokens, int) and isinstance(output_tokens, int)):
+        if not (isinstance(text, str) and isinstance(input_tokens, int) and isinstance(output_tokens, int)
+                and isinstance(cached_tokens, int) and isinstance(reasoning_tokens, int)):
             raise malformed_response(self.where, "content or usage has the wrong type", secret=api_key)
         return Completion(
             text=text,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
+            # parts of the totals (OpenAI's prompt_tokens counts the cached ones, completion_tokens the reasoning)
+            cached_input_tokens=max(0, min(cached_tokens, input_tokens)),
+            reasoning_tokens=max(0, min(reasoning_tokens, output_tokens)),
             finish_reason=str(finish_reason),
             model=str(model),
             latency_ms=latency_ms,
@@ -140,6 +148,16 @@ class OpenAIProvider(Provider):
             exc, openai, where=self.where, timeout_s=options.timeout_s, secret=api_key,
             detail=lambda e: _error_detail(e.body, e.message),
         )
+
+
+def _detail(details: object, name: str) -> object:
+    """A count of ``usage.prompt_tokens_details`` or ``usage.completion_tokens_details``: 0 when the object or
+    the count is absent or null (vLLM and llama.cpp's server may send neither). A details object without the
+    attribute raises AttributeError: a malformed response."""
+    if details is None:
+        return 0
+    value = getattr(details, name)
+    return 0 if value is None else value
 
 
 def _error_detail(body: object, fallback: str) -> str:

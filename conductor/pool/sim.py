@@ -46,6 +46,8 @@ class SimOptions(BaseModel):
     """Category -> the reply for every item of that category (wins over ``skills``)."""
     unknown_reply: str = "I do not know."
     """The reply for a recognised item outside ``skills`` and the scripted replies."""
+    cached_input_tokens: int = Field(default=0, ge=0)
+    """Of each call's input tokens, this many are reported read from a prompt cache (at most all of them)."""
 
 
 class SimProvider(Provider):
@@ -71,10 +73,12 @@ class SimProvider(Provider):
         finish_reason = "stop"
         if estimate_tokens(text) > options.max_tokens:  # cut off at max_tokens, as a real model is
             text, finish_reason = text[: options.max_tokens * 4], "length"
+        input_tokens = sum(estimate_tokens(m.content) for m in messages)
         return Completion(
             text=text,
-            input_tokens=sum(estimate_tokens(m.content) for m in messages),
+            input_tokens=input_tokens,
             output_tokens=estimate_tokens(text),
+            cached_input_tokens=min(self.options.cached_input_tokens, input_tokens),
             finish_reason=finish_reason,
             model=f"sim-{self.agent}",
             latency_ms=int((time.monotonic() - started) * 1000),

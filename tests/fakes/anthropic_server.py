@@ -1,8 +1,13 @@
-"""A loopback Anthropic Messages server (``POST /v1/messages``); ``base_url`` is the bare origin."""
+"""A loopback Anthropic Messages server (``POST /v1/messages``); ``base_url`` is the bare origin.
+
+By default ``usage`` has ``input_tokens`` and ``output_tokens`` only; an ``AnthropicReply`` with
+``cache_read_input_tokens`` or ``cache_creation_input_tokens`` adds those, as the API reports prompt caching.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from tests.fakes.http_base import (
@@ -18,7 +23,7 @@ from tests.fakes.http_base import (
     texts_in,
 )
 
-__all__ = ["FakeAnthropicServer", "Reply", "drop", "error", "hang", "malformed", "ok"]
+__all__ = ["AnthropicReply", "FakeAnthropicServer", "Reply", "drop", "error", "hang", "malformed", "ok"]
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -31,6 +36,17 @@ _ERROR_TYPES = {
 }
 
 
+@dataclass(frozen=True)
+class AnthropicReply(Reply):
+    """A success whose ``usage`` reports prompt caching. ``input_tokens`` is the wire's ``input_tokens``,
+    which leaves out the cache reads and writes (Anthropic reports them apart)."""
+
+    cache_read_input_tokens: int | None = None
+    """``usage.cache_read_input_tokens``; None: not sent."""
+    cache_creation_input_tokens: int | None = None
+    """``usage.cache_creation_input_tokens``; None: not sent."""
+
+
 class FakeAnthropicServer(FakeProviderServer):
     route = re.compile(r"^/v1/messages$")
 
@@ -40,6 +56,14 @@ class FakeAnthropicServer(FakeProviderServer):
         if input_tokens is None:
             prompt = [body.get("system", ""), body.get("messages", [])]
             input_tokens = sum(count_words(t) for t in texts_in(prompt))
+        usage: dict[str, Any] = {
+            "input_tokens": input_tokens,
+            "output_tokens": reply.output_tokens if reply.output_tokens is not None else count_words(text),
+        }
+        if isinstance(reply, AnthropicReply):
+            for name in ("cache_creation_input_tokens", "cache_read_input_tokens"):
+                if getattr(reply, name) is not None:
+                    usage[name] = getattr(reply, name)
         return {
             "id": self.next_id("msg_fake"),
             "type": "message",
@@ -48,12 +72,7 @@ class FakeAnthropicServer(FakeProviderServer):
             "content": [{"type": "text", "text": text}],
             "stop_reason": reply.finish_reason or "end_turn",
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": input_tokens,
-                "output_tokens": reply.output_tokens
-                if reply.output_tokens is not None
-                else count_words(text),
-            },
+            "usage": usage,
         }
 
     def error_body(self, status: int, message: str) -> Any:

@@ -1,11 +1,14 @@
 """A loopback Gemini API server (``POST /v1beta/models/{model}:generateContent``).
 
-``base_url`` is the bare origin; the SDK adds the API version.
+``base_url`` is the bare origin; the SDK adds the API version. By default ``usageMetadata`` has the prompt,
+candidates and total counts only; a ``GeminiReply`` with ``thoughts_token_count`` or
+``cached_content_token_count`` adds those, as a thinking model and context caching report them.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from tests.fakes.http_base import (
@@ -23,6 +26,7 @@ from tests.fakes.http_base import (
 
 __all__ = [
     "FakeGeminiServer",
+    "GeminiReply",
     "Reply",
     "drop",
     "error",
@@ -59,6 +63,18 @@ def rate_limited_with_retry_info(delay: str = "7s") -> Reply:
     )
 
 
+@dataclass(frozen=True)
+class GeminiReply(Reply):
+    """A success whose ``usageMetadata`` reports thinking and context caching. ``input_tokens`` is
+    ``promptTokenCount`` (the cached tokens included); ``output_tokens`` is ``candidatesTokenCount`` (the
+    thoughts left out: ``totalTokenCount`` adds them)."""
+
+    thoughts_token_count: int | None = None
+    """``usageMetadata.thoughtsTokenCount``; None: not sent."""
+    cached_content_token_count: int | None = None
+    """``usageMetadata.cachedContentTokenCount``; None: not sent."""
+
+
 class FakeGeminiServer(FakeProviderServer):
     route = re.compile(r"^/v1beta/models/(?P<model>[^/:]+):generateContent$")
 
@@ -69,6 +85,14 @@ class FakeGeminiServer(FakeProviderServer):
             prompt = [body.get("systemInstruction", {}), body.get("contents", [])]
             prompt_tokens = sum(count_words(t) for t in texts_in(prompt))
         output_tokens = reply.output_tokens if reply.output_tokens is not None else count_words(text)
+        usage: dict[str, Any] = {"promptTokenCount": prompt_tokens, "candidatesTokenCount": output_tokens}
+        thoughts = reply.thoughts_token_count if isinstance(reply, GeminiReply) else None
+        cached = reply.cached_content_token_count if isinstance(reply, GeminiReply) else None
+        if cached is not None:
+            usage["cachedContentTokenCount"] = cached
+        if thoughts is not None:
+            usage["thoughtsTokenCount"] = thoughts
+        usage["totalTokenCount"] = prompt_tokens + output_tokens + (thoughts or 0)
         return {
             "candidates": [
                 {
@@ -77,11 +101,7 @@ class FakeGeminiServer(FakeProviderServer):
                     "index": 0,
                 }
             ],
-            "usageMetadata": {
-                "promptTokenCount": prompt_tokens,
-                "candidatesTokenCount": output_tokens,
-                "totalTokenCount": prompt_tokens + output_tokens,
-            },
+            "usageMetadata": usage,
             "modelVersion": reply.model or match.group("model"),
             "responseId": self.next_id("gemini-fake"),
         }

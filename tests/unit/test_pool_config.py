@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, ConfigDict
 
-from conductor.pool.config import PoolError, load_pool, resolve_pool_path
+from conductor.pool.base import CallOptions, Message
+from conductor.pool.config import AgentConfig, PoolError, Price, load_pool, resolve_pool_path
+from conductor.pool.registry import build_provider
 from conductor.settings import SHIPPED_POOLS_DIR
 
 
@@ -101,3 +104,72 @@ def test_a_pool_snapshot_leaves_out_an_unset_bucket(tmp_path: Path) -> None:
     dumped = pool.model_dump(mode="json")
     assert dumped["agents"]["p"]["rpm_bucket"] == "w" and "rpm_bucket" not in dumped["agents"]["w"]
     assert type(pool).model_validate(dumped) == pool
+
+
+def test_cached_input_tokens_cost_the_cached_price_and_are_part_of_the_input() -> None:
+    price = Price(input_per_mtok=1.25, cached_input_per_mtok=0.125, output_per_mtok=10.0)
+    assert price.cost(1_000_000, 100_000, 800_000) == pytest.approx(0.2 * 1.25 + 0.8 * 0.125 + 0.1 * 10.0)
+    assert price.cost(1_000_000, 100_000) == pytest.approx(1.25 + 1.0)  # none cached: all at the input price
+    # at most all the input is cached; a negative count is none
+    assert price.cost(1000, 0, 5000) == pytest.approx(price.cost(1000, 0, 1000)) == pytest.approx(1000 * 0.125 / 1e6)
+    assert price.cost(1000, 0, -5) == pytest.approx(price.cost(1000, 0))
+
+
+def test_without_a_cached_price_cached_tokens_cost_the_input_price() -> None:
+    price = Price(input_per_mtok=2.0, output_per_mtok=8.0)
+    assert price.cached_input_per_mtok is None
+    assert price.cost(1_000_000, 500_000, 900_000) == pytest.approx(price.cost(1_000_000, 500_000))
+    assert price.cost(1_000_000, 500_000) == pytest.approx(6.0)
+    free_cache = Price(input_per_mtok=2.0, cached_input_per_mtok=0.0)  # 0 is a price, not "unset"
+    assert free_cache.cost(1_000_000, 0, 250_000) == pytest.approx(1.5)
+
+
+def test_a_pool_file_with_a_cached_price_loads_and_a_negative_one_is_named(tmp_path: Path) -> None:
+    pool = load_pool(write(tmp_path, "agents:\n  a: {provider: sim, price: {input_per_mtok: 3, "
+                                     "cached_input_per_mtok: 0.3, output_per_mtok: 15}}\n"))
+    assert pool.agents["a"].price.cached_input_per_mtok == 0.3
+    assert pool.agents["a"].price.cost(1_000_000, 0, 1_000_000) == pytest.approx(0.3)
+    with pytest.raises(PoolError, match=r"agents\.a\.price\.cached_input_per_mtok"):
+        load_pool(write(tmp_path, "agents:\n  a: {provider: sim, price: {cached_input_per_mtok: -1}}\n"))
+
+
+class _PriceOfAnOlderRelease(BaseModel):
+    """``Price`` as workers of the release before ``cached_input_per_mtok`` read it: extra keys forbidden."""
+
+    model_config = ConfigDict(extra="forbid")
+    input_per_mtok: float = 0.0
+    output_per_mtok: float = 0.0
+
+
+@pytest.mark.parametrize("mode", ["python", "json"])
+def test_a_pool_snapshot_leaves_out_an_unset_cached_price(tmp_path: Path, mode: str) -> None:
+    # a job stores its pool as JSON; workers of the release before this field (a rolling deploy) read it with
+    # extra fields forbidden, so the field is written only where a pool sets it
+    agent = AgentConfig(provider="sim", price=Price(input_per_mtok=1.0, output_per_mtok=2.0))
+    dumped = agent.model_dump(mode=mode)
+    assert "cached_input_per_mtok" not in dumped["price"]
+    assert _PriceOfAnOlderRelease.model_validate(dumped["price"]).input_per_mtok == 1.0
+    assert AgentConfig.model_validate(dumped) == agent
+
+    pool = load_pool(write(tmp_path, "agents:\n  plain: {provider: sim, price: {input_per_mtok: 1}}\n  cached: "
+                                     "{provider: sim, price: {input_per_mtok: 1, cached_input_per_mtok: 0.1}}\n"))
+    snapshot = pool.model_dump(mode=mode)
+    assert "cached_input_per_mtok" not in snapshot["agents"]["plain"]["price"]
+    assert snapshot["agents"]["cached"]["price"]["cached_input_per_mtok"] == 0.1
+    assert type(pool).model_validate(snapshot) == pool
+
+
+def test_the_research_pool_prices_cached_input_where_the_vendor_publishes_it() -> None:
+    agents = load_pool(SHIPPED_POOLS_DIR / "research.yaml").agents
+    assert agents["gpt-5"].price.cached_input_per_mtok == 0.125  # a tenth of 1.25
+    assert agents["claude-sonnet-4"].price.cached_input_per_mtok == 0.3  # cache reads: a tenth of 3.0
+    assert agents["gemini-2.5-pro"].price.cached_input_per_mtok is None  # not set: priced as input
+
+
+def test_a_sim_agent_reports_its_cached_input_tokens_option() -> None:
+    messages = [Message("user", "x" * 400)]  # 100 estimated tokens
+    for option, cached in ((30, 30), (1000, 100)):
+        provider = build_provider("s", AgentConfig(provider="sim", options={"cached_input_tokens": option}))
+        completion = provider.complete(messages, CallOptions())
+        assert (completion.input_tokens, completion.cached_input_tokens) == (100, cached)
+    assert build_provider("s", AgentConfig(provider="sim")).complete(messages, CallOptions()).cached_input_tokens == 0

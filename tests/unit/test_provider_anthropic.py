@@ -8,7 +8,7 @@ import pytest
 
 from conductor.pool.anthropic_provider import AnthropicProvider
 from conductor.pool.base import CallOptions, Message
-from conductor.pool.config import AgentConfig
+from conductor.pool.config import AgentConfig, Price
 from conductor.pool.errors import (
     AuthError,
     BadRequest,
@@ -18,7 +18,16 @@ from conductor.pool.errors import (
     ServerError,
 )
 from conductor.pool.registry import build_provider
-from tests.fakes.anthropic_server import FakeAnthropicServer, Reply, drop, error, hang, malformed, ok
+from tests.fakes.anthropic_server import (
+    AnthropicReply,
+    FakeAnthropicServer,
+    Reply,
+    drop,
+    error,
+    hang,
+    malformed,
+    ok,
+)
 
 KEY_ENV = "CONDUCTOR_TEST_ANTHROPIC_KEY"
 SECRET = "sk-ant-test-5ecret-0123456789"
@@ -74,6 +83,67 @@ def test_success_reports_text_usage_finish_reason_and_model(server: FakeAnthropi
     assert completion.finish_reason == "stop"
     assert completion.extra["stop_reason"] == "end_turn"
     assert completion.model == "claude-test-20260101"
+
+
+def test_cache_reads_and_writes_are_added_to_the_input_and_reads_are_its_cached_part(
+    server: FakeAnthropicServer,
+) -> None:
+    # Anthropic's input_tokens leaves out what the prompt cache served (reads) and stored (writes); every
+    # provider's input_tokens is the whole prompt, as OpenAI counts it
+    server.script(AnthropicReply("Fine.", input_tokens=100, output_tokens=20, cache_read_input_tokens=900,
+                                 cache_creation_input_tokens=50))
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert (completion.input_tokens, completion.output_tokens) == (1050, 20)
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (900, 0)  # no thinking count apart
+    # the reads at the cached price; the writes at the input price (Anthropic bills them 1.25x: under-counted)
+    price = Price(input_per_mtok=3.0, cached_input_per_mtok=0.3, output_per_mtok=15.0)
+    cost = price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens)
+    assert cost == pytest.approx((150 * 3.0 + 900 * 0.3 + 20 * 15.0) / 1_000_000)
+
+
+def usage_body(usage: dict[str, object]) -> dict[str, object]:
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+            "content": [{"type": "text", "text": "Fine."}], "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": 40, "output_tokens": 2, **usage}}
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        ok("Fine.", input_tokens=40, output_tokens=2),  # the fake's default: no cache fields
+        Reply(body=usage_body({"cache_creation_input_tokens": None, "cache_read_input_tokens": None})),
+        AnthropicReply("Fine.", input_tokens=40, output_tokens=2, cache_read_input_tokens=0,
+                       cache_creation_input_tokens=0),
+    ],
+    ids=["absent", "null", "zero"],
+)
+def test_no_cache_use_leaves_the_input_as_reported(server: FakeAnthropicServer, reply: Reply) -> None:
+    server.script(reply)
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert (completion.input_tokens, completion.output_tokens) == (40, 2)
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (0, 0)
+
+
+def test_cache_writes_alone_are_input_but_not_cached(server: FakeAnthropicServer) -> None:
+    server.script(AnthropicReply("Fine.", input_tokens=10, output_tokens=2, cache_creation_input_tokens=2000))
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert (completion.input_tokens, completion.cached_input_tokens) == (2010, 0)
+
+
+@pytest.mark.parametrize("field", ["cache_read_input_tokens", "cache_creation_input_tokens"])
+def test_a_cache_count_of_the_wrong_type_is_a_malformed_response(server: FakeAnthropicServer, field: str) -> None:
+    server.script(Reply(body=usage_body({field: "lots"})))  # the SDK itself turns "900" into 900
+
+    err = raised_by(make_provider(server))
+
+    assert isinstance(err, ServerError)
+    assert "malformed response" in str(err)
 
 
 def test_max_tokens_stop_reason_is_reported_as_length(server: FakeAnthropicServer) -> None:

@@ -20,6 +20,7 @@ from conductor.pool.gemini_provider import GeminiProvider
 from conductor.pool.registry import build_provider
 from tests.fakes.gemini_server import (
     FakeGeminiServer,
+    GeminiReply,
     Reply,
     drop,
     error,
@@ -136,6 +137,33 @@ def test_thinking_tokens_count_as_output_and_thoughts_are_not_text(server: FakeG
 
     assert completion.text == "Answer."
     assert (completion.input_tokens, completion.output_tokens) == (10, 52)
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (0, 50)
+
+
+def test_cached_content_and_thoughts_are_parts_of_the_input_and_output(server: FakeGeminiServer) -> None:
+    # promptTokenCount includes cachedContentTokenCount; candidatesTokenCount leaves out thoughtsTokenCount
+    server.script(GeminiReply("Done.", input_tokens=1000, output_tokens=20, cached_content_token_count=600,
+                              thoughts_token_count=50))
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert (completion.input_tokens, completion.output_tokens) == (1000, 70)
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (600, 50)
+
+
+def test_without_cache_or_thoughts_counts_both_are_zero(server: FakeGeminiServer) -> None:
+    server.script(ok("Done.", input_tokens=33, output_tokens=4))  # the fake's default: neither count is sent
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert (completion.input_tokens, completion.output_tokens) == (33, 4)
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (0, 0)
+
+
+def test_a_cached_count_beyond_the_prompt_is_clamped_to_it(server: FakeGeminiServer) -> None:
+    server.script(GeminiReply("Done.", input_tokens=100, output_tokens=4, cached_content_token_count=4096))
+
+    assert make_provider(server).complete(MESSAGES, CallOptions()).cached_input_tokens == 100
 
 
 def test_request_shape_on_the_wire(server: FakeGeminiServer) -> None:

@@ -22,7 +22,7 @@ from conductor.pool.grammar import grammar_schema
 from conductor.pool.openai_provider import OpenAIProvider
 from conductor.pool.registry import build_provider
 from conductor.settings import SHIPPED_POOLS_DIR
-from tests.fakes.openai_server import FakeOpenAIServer, Reply, drop, error, hang, malformed, ok
+from tests.fakes.openai_server import FakeOpenAIServer, OpenAIReply, Reply, drop, error, hang, malformed, ok
 
 KEY_ENV = "CONDUCTOR_TEST_OPENAI_KEY"
 SECRET = "sk-test-5ecret-0123456789"
@@ -105,6 +105,71 @@ def test_a_refusal_is_its_text_with_finish_reason_content_filter(server: FakeOpe
     assert completion.text == "I can't help with that."
     assert completion.finish_reason == "content_filter"
     assert (completion.input_tokens, completion.output_tokens) == (9, 6)
+
+
+def test_cached_and_reasoning_tokens_are_read_from_the_usage_details(server: FakeOpenAIServer) -> None:
+    # prompt_tokens counts the cached tokens, completion_tokens the reasoning: they are parts, not additions
+    server.script(OpenAIReply("Red.", input_tokens=1000, output_tokens=300, cached_tokens=768, reasoning_tokens=256))
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert (completion.input_tokens, completion.output_tokens) == (1000, 300)
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (768, 256)
+
+
+def usage_body(usage: dict[str, object]) -> dict[str, object]:
+    return {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "gpt-test",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Red."}}],
+        "usage": {"prompt_tokens": 40, "completion_tokens": 9, "total_tokens": 49, **usage},
+    }
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        ok("Red.", input_tokens=40, output_tokens=9),  # the fake's default: no details objects, as vLLM sends it
+        Reply(body=usage_body({"prompt_tokens_details": None, "completion_tokens_details": None})),
+        Reply(body=usage_body({"prompt_tokens_details": {"cached_tokens": None, "audio_tokens": None},
+                               "completion_tokens_details": {"reasoning_tokens": None}})),
+        Reply(body=usage_body({"prompt_tokens_details": {"audio_tokens": 0}, "completion_tokens_details": {}})),
+    ],
+    ids=["absent", "null-objects", "null-counts", "counts-absent"],
+)
+def test_missing_usage_details_are_zero(server: FakeOpenAIServer, reply: Reply) -> None:
+    server.script(reply)
+
+    completion = make_provider(server, provider="openai_compatible").complete(MESSAGES, CallOptions())
+
+    assert (completion.input_tokens, completion.output_tokens) == (40, 9)
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (0, 0)
+
+
+def test_detail_counts_are_clamped_to_their_totals(server: FakeOpenAIServer) -> None:
+    server.script(OpenAIReply("Red.", input_tokens=100, output_tokens=10, cached_tokens=500, reasoning_tokens=-3))
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (100, 0)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens_details": {"cached_tokens": "lots"}},  # the SDK itself turns "768" into 768
+        {"completion_tokens_details": {"reasoning_tokens": 2.5}},
+        {"prompt_tokens_details": 7},
+        {"completion_tokens_details": ["reasoning_tokens"]},
+    ],
+    ids=["cached-string", "reasoning-float", "details-number", "details-list"],
+)
+def test_malformed_usage_details_are_a_malformed_response(server: FakeOpenAIServer, usage: dict[str, object]) -> None:
+    server.script(Reply(body=usage_body(usage)))
+
+    err = raised_by(make_provider(server))
+
+    assert isinstance(err, ServerError)
+    assert "malformed response" in str(err)
 
 
 def test_text_the_store_cannot_hold_is_made_storable(server: FakeOpenAIServer) -> None:
