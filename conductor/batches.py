@@ -413,7 +413,8 @@ def job_result(job: Job) -> dict[str, Any]:
         "error": ({"type": job.error_type, "message": job.error_message, "step": job.error_step}
                   if job.error_type else None),
         "usage": {"input_tokens": job.input_tokens, "output_tokens": job.output_tokens,
-                  "cost_usd": round(job.cost_usd, 8), "calls": job.calls},
+                  "cost_usd": round(job.cost_usd, 8), "calls": job.calls,
+                  "cached_input_tokens": job.cached_input_tokens, "reasoning_tokens": job.reasoning_tokens},
         "metadata": job.meta,
         "created_at": job.created_at.isoformat(),
         "finished_at": job.finished_at.isoformat() if job.finished_at else None,

@@ -20,10 +20,12 @@ from conductor.openai_wire import (
     ChatCompletion,
     ChatCompletionRequest,
     Choice,
+    CompletionTokensDetails,
     CompletionUsage,
     FinishReason,
     JobRef,
     ModelObject,
+    PromptTokensDetails,
 )
 from conductor.pool.config import PoolConfig, template_refs
 from conductor.settings import Settings
@@ -146,6 +148,8 @@ def usage(job: Job) -> CompletionUsage:
         prompt_tokens=job.input_tokens,
         completion_tokens=job.output_tokens,
         total_tokens=job.input_tokens + job.output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=job.cached_input_tokens),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=job.reasoning_tokens),
     )
 
 

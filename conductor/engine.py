@@ -319,7 +319,9 @@ def _planner_usage(planned: list[PlanResult]) -> dict[str, Any]:
 def _usage_columns(usage: PlannerUsage) -> dict[str, Any]:
     """A planning's usage as the job's planner columns (``store.PLANNER_USAGE``)."""
     return {"planner_input_tokens": usage.input_tokens, "planner_output_tokens": usage.output_tokens,
-            "planner_cost_usd": usage.cost_usd, "planner_calls": usage.calls}
+            "planner_cost_usd": usage.cost_usd, "planner_calls": usage.calls,
+            "planner_cached_input_tokens": usage.cached_input_tokens,
+            "planner_reasoning_tokens": usage.reasoning_tokens}
 
 
 def _plan_columns(result: PlanResult) -> dict[str, Any]:
@@ -658,7 +660,9 @@ def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
         "model": c.model,
         "input_tokens": c.input_tokens,
         "output_tokens": c.output_tokens,
-        "cost_usd": config.price.cost(c.input_tokens, c.output_tokens),
+        "cost_usd": config.price.cost(c.input_tokens, c.output_tokens, c.cached_input_tokens),
+        "cached_input_tokens": c.cached_input_tokens,
+        "reasoning_tokens": c.reasoning_tokens,
         "latency_ms": c.latency_ms,
         "error": None,
         "error_type": None,
@@ -725,7 +729,8 @@ def _record_success(
         if not recorded:
             # Cancelled or taken over meanwhile: the answer is dropped, its cost is not.
             usage = {"input_tokens": completion.input_tokens, "output_tokens": completion.output_tokens,
-                     "cost_usd": columns["cost_usd"]}
+                     "cost_usd": columns["cost_usd"], "cached_input_tokens": completion.cached_input_tokens,
+                     "reasoning_tokens": completion.reasoning_tokens}
             if store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, **usage):
                 carry.append((job_id, usage))  # the job had ended: a parent it has needs it too
             return Dispatch()
@@ -977,6 +982,10 @@ class _JobUsage(Protocol):
     def planner_cost_usd(self) -> float: ...
     @property
     def planner_calls(self) -> int: ...
+    @property
+    def planner_cached_input_tokens(self) -> int: ...
+    @property
+    def planner_reasoning_tokens(self) -> int: ...
 
 
 class _ChildJob(Protocol):
@@ -1001,6 +1010,10 @@ class _StepUsage(Protocol):
     def output_tokens(self) -> int: ...
     @property
     def cost_usd(self) -> float: ...
+    @property
+    def cached_input_tokens(self) -> int: ...
+    @property
+    def reasoning_tokens(self) -> int: ...
 
 
 def _webhooks_owed(s: Session, job_id: str, head: store.JobHead | None = None) -> list[str]:
@@ -1033,6 +1046,8 @@ def _settle_parent_step(
         "input_tokens": totals["input_tokens"],
         "output_tokens": totals["output_tokens"],
         "cost_usd": totals["cost_usd"],
+        "cached_input_tokens": totals["cached_input_tokens"],
+        "reasoning_tokens": totals["reasoning_tokens"],
         "latency_ms": latency,
     }
     if succeeded:
@@ -1067,6 +1082,8 @@ def _totals(job: _JobUsage, steps: Sequence[_StepUsage]) -> dict[str, Any]:
         "output_tokens": job.planner_output_tokens + sum(st.output_tokens for st in steps),
         "cost_usd": job.planner_cost_usd + sum(st.cost_usd for st in steps),
         "calls": job.planner_calls + sum(st.attempts for st in steps if st.agent != CONDUCTOR_AGENT),
+        "cached_input_tokens": job.planner_cached_input_tokens + sum(st.cached_input_tokens for st in steps),
+        "reasoning_tokens": job.planner_reasoning_tokens + sum(st.reasoning_tokens for st in steps),
     }
 
 

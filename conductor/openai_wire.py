@@ -122,10 +122,24 @@ class Choice(BaseModel):
     logprobs: None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Of ``prompt_tokens``, those the providers read from their prompt caches."""
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+    """Of ``completion_tokens``, the models' reasoning."""
+
+
 class CompletionUsage(BaseModel):
+    """The job's totals (every call, the planner's too)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class JobRef(BaseModel):
@@ -293,8 +307,8 @@ class OutputTokensDetails(BaseModel):
 
 
 class ResponseUsage(BaseModel):
-    """The job's totals (every call, the planner's too). Cached and reasoning tokens are not counted apart:
-    their details are 0, the tokens themselves in ``input_tokens`` and ``output_tokens``."""
+    """The job's totals (every call, the planner's too); the details are parts of them: the input the
+    providers read from their prompt caches, the output that was the models' reasoning."""
 
     input_tokens: int
     input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)

@@ -15,8 +15,10 @@ from conductor.errors import ErrorType
 from conductor.openai_wire import (
     MAX_CHAT_MESSAGES,
     IncompleteDetails,
+    InputTokensDetails,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
     ResponseCreateRequest,
     ResponseErrorBody,
     ResponseObject,
@@ -149,7 +151,9 @@ def error(job: Job) -> ResponseErrorBody:
 
 def usage(job: Job) -> ResponseUsage:
     return ResponseUsage(input_tokens=job.input_tokens, output_tokens=job.output_tokens,
-                         total_tokens=job.input_tokens + job.output_tokens)
+                         total_tokens=job.input_tokens + job.output_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=job.cached_input_tokens),
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=job.reasoning_tokens))
 
 
 def instructions(job: Job, row: OpenAIResponse) -> str | None:

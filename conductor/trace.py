@@ -18,7 +18,7 @@ def render_trace(session: Session, job: Job, *, indent: str = "", full: bool = F
         f"{indent}job {job.id}  status={job.status}  depth={job.depth}  pool={job.pool}  planner={job.planner}",
         f"{indent}workflow: source={job.workflow_source}  format_valid={job.format_valid}"
         + (f"  planner_error={job.planner_error!r}" if job.planner_error else ""),
-        f"{indent}usage: {job.input_tokens} in / {job.output_tokens} out tokens, "
+        f"{indent}usage: {job.input_tokens} in{_details(job)} / {job.output_tokens} out tokens, "
         f"${job.cost_usd:.6f}, {job.calls} calls" + (f", {_elapsed(job)}" if job.finished_at else ""),
     ]
     if steps:
@@ -32,7 +32,7 @@ def render_trace(session: Session, job: Job, *, indent: str = "", full: bool = F
         lines.append(
             f"{indent}[{st.index}] {st.agent} ({st.provider or '-'}:{st.model or '-'})  {st.status}  "
             f"{st.latency_ms if st.latency_ms is not None else '-'} ms  "
-            f"{st.input_tokens} in / {st.output_tokens} out  ${st.cost_usd:.6f}  attempts={len(tries)}"
+            f"{st.input_tokens} in{_details(st)} / {st.output_tokens} out  ${st.cost_usd:.6f}  attempts={len(tries)}"
         )
         lines.append(f"{indent}    sees: {st.access_list or 'nothing'}   instruction: {_clip(st.instruction, full)}")
         if st.celery_task_id:  # operator-only: the API and the viewer never show hosts or task ids
@@ -75,3 +75,10 @@ def _elapsed(job: Job) -> str:
 def _clip(text: str, full: bool) -> str:
     flat = text.replace("\n", " ⏎ ")
     return flat if full or len(flat) <= PREVIEW_CHARS else flat[:PREVIEW_CHARS] + " …"
+
+
+def _details(usage: Job | Step) -> str:
+    """The cached input and reasoning output of a job's or step's tokens, when there are any."""
+    parts = [f"{usage.cached_input_tokens} cached"] if usage.cached_input_tokens else []
+    parts += [f"{usage.reasoning_tokens} reasoning"] if usage.reasoning_tokens else []
+    return f" ({', '.join(parts)})" if parts else ""

@@ -70,6 +70,8 @@ class PlannerUsage(BaseModel):
     output_tokens: int
     cost_usd: float
     calls: int
+    cached_input_tokens: int = Field(description="of input_tokens, those read from the providers' prompt caches")
+    reasoning_tokens: int = Field(description="of output_tokens, the models' reasoning")
 
 
 class JobUsage(PlannerUsage):
@@ -167,6 +169,8 @@ class StepUsage(BaseModel):
     input_tokens: int
     output_tokens: int
     cost_usd: float
+    cached_input_tokens: int = Field(description="of input_tokens, those read from the provider's prompt cache")
+    reasoning_tokens: int = Field(description="of output_tokens, the model's reasoning")
 
 
 class AttemptPublic(BaseModel):

@@ -64,11 +64,15 @@ def job_view(job: Job, steps: list[Step], *, base_url: str = "") -> JobPublic:
             output_tokens=job.output_tokens,
             cost_usd=round(job.cost_usd, 8),
             calls=job.calls,
+            cached_input_tokens=job.cached_input_tokens,
+            reasoning_tokens=job.reasoning_tokens,
             planner=PlannerUsage(
                 input_tokens=job.planner_input_tokens,
                 output_tokens=job.planner_output_tokens,
                 cost_usd=round(job.planner_cost_usd, 8),
                 calls=job.planner_calls,
+                cached_input_tokens=job.planner_cached_input_tokens,
+                reasoning_tokens=job.planner_reasoning_tokens,
             ),
         ),
         replay_of=job.replay_of,
@@ -151,7 +155,8 @@ def step_view(
         output=step.output,
         finish_reason=step.finish_reason,
         usage=StepUsage(
-            input_tokens=step.input_tokens, output_tokens=step.output_tokens, cost_usd=round(step.cost_usd, 8)
+            input_tokens=step.input_tokens, output_tokens=step.output_tokens, cost_usd=round(step.cost_usd, 8),
+            cached_input_tokens=step.cached_input_tokens, reasoning_tokens=step.reasoning_tokens,
         ),
         latency_ms=step.latency_ms,
         attempts=[attempt_view(a) for a in attempts],

@@ -340,10 +340,12 @@ def _transition_stmt(from_: tuple[str, ...], to: str, fenced: bool, keys: tuple[
                                              **{k: value(k) for k in keys})
 
 
-PLANNER_USAGE = ("planner_input_tokens", "planner_output_tokens", "planner_cost_usd", "planner_calls")
+PLANNER_USAGE = ("planner_input_tokens", "planner_output_tokens", "planner_cost_usd", "planner_calls",
+                 "planner_cached_input_tokens", "planner_reasoning_tokens")
 """A job's planner usage columns: added to, never set, as more than one planning claim may have paid."""
 PLANNER_TOTALS = {"planner_input_tokens": "input_tokens", "planner_output_tokens": "output_tokens",
-                  "planner_cost_usd": "cost_usd", "planner_calls": "calls"}
+                  "planner_cost_usd": "cost_usd", "planner_calls": "calls",
+                  "planner_cached_input_tokens": "cached_input_tokens", "planner_reasoning_tokens": "reasoning_tokens"}
 """Each planner usage column and the job total it is part of."""
 
 
@@ -363,7 +365,7 @@ def add_lost_planner_usage(session: Session, *, job_id: str, claim: int, usage: 
     ended = j.c.status.in_(list(JobStatus.TERMINAL))
     values: dict[str, Any] = {}
     for k in PLANNER_USAGE:
-        amount = sa.literal(usage[k], type_=j.c[k].type)
+        amount = sa.literal(usage.get(k, 0), type_=j.c[k].type)
         values[k] = j.c[k] + amount
         total = PLANNER_TOTALS[k]
         values[total] = j.c[total] + sa.case((ended, amount), else_=sa.literal(0, type_=j.c[k].type))
@@ -637,7 +639,9 @@ def _finish_attempt_stmt() -> sa.Update:
                     error=sa.bindparam("p_error", type_=sa.Text())))
 
 
-USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd")
+USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd", "cached_input_tokens", "reasoning_tokens")
+"""A step's (and a job's) usage columns, added to: a step's calls of workers that lost it were paid for too;
+the last two are details of the first two (the cached part of the input, the reasoning part of the output)."""
 RELEASED: dict[str, Any] = {"reserved_usd": 0.0, "reserved_tokens": 0}
 """An ended step holds nothing against its job's budgets: what it spent is in its usage columns."""
 
@@ -655,13 +659,15 @@ def finish_step(
 
 
 def add_unrecorded_usage(
-    session: Session, *, step_id: int, job_id: str, input_tokens: int, output_tokens: int, cost_usd: float
+    session: Session, *, step_id: int, job_id: str, input_tokens: int, output_tokens: int, cost_usd: float,
+    cached_input_tokens: int = 0, reasoning_tokens: int = 0,
 ) -> bool:
     """A call whose answer was dropped (the job was cancelled or failed meanwhile, or another worker took
     the step over) was still paid for: its usage is added to the step, and to the job's totals when the
     job has already ended (a running job's totals are summed from its steps when it ends). True when
     the job had ended: a child job's parent then needs it too (``add_usage_to_parent``)."""
-    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "cost_usd": cost_usd}
+    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "cost_usd": cost_usd,
+             "cached_input_tokens": cached_input_tokens, "reasoning_tokens": reasoning_tokens}
     step = session.execute(
         sa.update(Step)
         .where(col(Step.id) == step_id)
@@ -680,9 +686,6 @@ def add_unrecorded_usage(
     return ended is not None
 
 
-USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd")
-
-
 def add_usage_to_parent(session: Session, *, job_id: str, usage: dict[str, Any]) -> str | None:
     """One level of carrying up usage that job ``job_id`` (a child job) gained after its parent's
     recursive step stopped taking it (the parent ended first and closed the step, or the child's late
@@ -698,7 +701,7 @@ def add_usage_to_parent(session: Session, *, job_id: str, usage: dict[str, Any])
     head = lock_job(session, job_id=parent_id)
     if head is None:
         return None
-    added = {k: usage[k] for k in USAGE_COLUMNS}
+    added = {k: usage.get(k, 0) for k in USAGE_COLUMNS}
     session.execute(sa.update(Step).where(col(Step.job_id) == parent_id, col(Step.index) == index)
                     .values({getattr(Step, k): getattr(Step, k) + v for k, v in added.items()}))
     if head.status not in JobStatus.TERMINAL:
@@ -1013,6 +1016,8 @@ class JobHead:
     planner_output_tokens: int
     planner_cost_usd: float
     planner_calls: int
+    planner_cached_input_tokens: int
+    planner_reasoning_tokens: int
     has_webhook: bool = True
     """Whether the job has a webhook URL (set at creation, never changed): without one, its end owes no
     delivery and the outbox insert is skipped."""
@@ -1038,6 +1043,7 @@ def _lock_job_stmt() -> sa.Select[Any]:
     j = JOB
     return (sa.select(j.c.id, j.c.status, j.c.created_at, j.c.parent_job_id, j.c.parent_step_index,
                       j.c.planner_input_tokens, j.c.planner_output_tokens, j.c.planner_cost_usd, j.c.planner_calls,
+                      j.c.planner_cached_input_tokens, j.c.planner_reasoning_tokens,
                       j.c.webhook_url.is_not(None).label("has_webhook"), batch_work_of(j).label("background"))
             .where(j.c.id == sa.bindparam("p_job_id")).with_for_update(key_share=True))
 
@@ -1114,11 +1120,18 @@ class StepHead:
     cost_usd: float
     error_type: str | None
     error: str | None
+    cached_input_tokens: int
+    reasoning_tokens: int
 
 
 def step_heads(session: Session, *, job_id: str) -> list[StepHead]:
     rows = _core(session).execute(_step_heads_stmt(), {"p_job_id": job_id})
-    return [StepHead(r[0], r[1], list(r[2] or []), r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in rows]
+    return [_step_head(r) for r in rows]
+
+
+def _step_head(r: Sequence[Any]) -> StepHead:
+    """A ``StepHead`` from a row of ``_head_columns``."""
+    return StepHead(r[0], r[1], list(r[2] or []), *r[3:])
 
 
 @cache
@@ -1130,7 +1143,8 @@ def _step_heads_stmt() -> sa.Select[Any]:
 def _head_columns(st: sa.Table) -> tuple[sa.Column[Any], ...]:
     """``StepHead``'s columns, in its order."""
     return (st.c.index, st.c.status, st.c.access_list, st.c.agent, st.c.attempts, st.c.input_tokens,
-            st.c.output_tokens, st.c.cost_usd, st.c.error_type, st.c.error)
+            st.c.output_tokens, st.c.cost_usd, st.c.error_type, st.c.error, st.c.cached_input_tokens,
+            st.c.reasoning_tokens)
 
 
 def record_step_and_heads(
@@ -1182,8 +1196,7 @@ def _record_and_heads(
 def _recorded_heads(rows: list[tuple[Any, ...]]) -> tuple[bool, list[StepHead]]:
     if not any(r[0] for r in rows):
         return False, []
-    heads = sorted((StepHead(r[1], r[2], list(r[3] or []), r[4], r[5], r[6], r[7], r[8], r[9], r[10])
-                    for r in rows), key=lambda h: h.index)
+    heads = sorted((_step_head(r[1:]) for r in rows), key=lambda h: h.index)
     return True, heads
 
 
@@ -1391,7 +1404,7 @@ def _progress_stmt(steps: bool) -> sa.Select[Any]:
 
 
 OUTCOME_FIELDS = ("id", "status", "created_at", "finished_at", "answer", "error_type", "error_message",
-                  "input_tokens", "output_tokens", "cost_usd", "calls")
+                  "input_tokens", "output_tokens", "cost_usd", "calls", "cached_input_tokens", "reasoning_tokens")
 """What a stream or a waiting chat completion tells of a job once it has ended."""
 
 

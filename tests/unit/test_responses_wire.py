@@ -30,7 +30,8 @@ def _job(status: str, **fields: Any) -> Job:
     ended = status in ("succeeded", "failed", "cancelled")
     base: dict[str, Any] = dict(id="0" * 32, status=status, created_at=T0, finished_at=T1 if ended else None,
                                 answer="42" if status == "succeeded" else None, error_type=None, error_message=None,
-                                input_tokens=10, output_tokens=5, cost_usd=0.001, calls=2, task="What is 6 x 7?",
+                                input_tokens=10, output_tokens=5, cost_usd=0.001, calls=2, cached_input_tokens=6,
+                                reasoning_tokens=3, task="What is 6 x 7?",
                                 context=[{"role": "system", "content": "Be brief."}], meta={"team": "x"})
     return Job.model_construct(**{**base, **fields})
 
@@ -57,7 +58,8 @@ def test_every_job_status_is_a_response_the_sdk_validates(status: str, reason: s
     if expected in ("completed", "incomplete"):
         assert parsed.output_text == "42"
         assert parsed.usage is not None and parsed.usage.total_tokens == 15
-        assert parsed.usage.input_tokens_details.cached_tokens == 0
+        assert parsed.usage.input_tokens_details.cached_tokens == 6  # parts of the totals, as OpenAI counts them
+        assert parsed.usage.output_tokens_details.reasoning_tokens == 3
     else:
         assert parsed.output == [] and parsed.output_text == ""
     assert (parsed.completed_at is not None) == (expected == "completed")
