@@ -62,12 +62,20 @@ def store_families(agg: StoreAggregates) -> Iterator[Metric]:
     tokens = CounterMetricFamily("conductor_tokens", "Tokens used by the planner and by worker steps.",
                                  labels=[*labels, "direction"])
     cost = CounterMetricFamily("conductor_cost_usd", "Cost in USD of planner and worker calls.", labels=labels)
-    for tenant, role, agent, tokens_in, tokens_out, usd in agg.usage:
+    cached = CounterMetricFamily("conductor_cached_input_tokens", "Of the input tokens, those the providers read "
+                                 "from their prompt caches.", labels=labels)
+    reasoning = CounterMetricFamily("conductor_reasoning_tokens", "Of the output tokens, the models' reasoning.",
+                                    labels=labels)
+    for tenant, role, agent, tokens_in, tokens_out, usd, tokens_cached, tokens_reasoning in agg.usage:
         tokens.add_metric([tenant, role, agent, "input"], int(tokens_in))
         tokens.add_metric([tenant, role, agent, "output"], int(tokens_out))
         cost.add_metric([tenant, role, agent], float(usd))
+        cached.add_metric([tenant, role, agent], int(tokens_cached))
+        reasoning.add_metric([tenant, role, agent], int(tokens_reasoning))
     yield tokens
     yield cost
+    yield cached
+    yield reasoning
 
     retries = CounterMetricFamily("conductor_step_retries", "Provider calls beyond each step's first attempt.",
                                   labels=["tenant", "agent"])

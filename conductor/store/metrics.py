@@ -74,8 +74,9 @@ class StoreAggregates:
     """(tenant, status, jobs) for every job, child jobs included."""
     steps: list[tuple[str, str, str, int]] = field(default_factory=list)
     """(tenant, agent, status, steps)."""
-    usage: list[tuple[str, str, str, int, int, float]] = field(default_factory=list)
-    """(tenant, role 'planner' | 'worker', agent, input tokens, output tokens, cost USD)."""
+    usage: list[tuple[str, str, str, int, int, float, int, int]] = field(default_factory=list)
+    """(tenant, role 'planner' | 'worker', agent, input tokens, output tokens, cost USD, cached input tokens,
+    reasoning tokens)."""
     retries: list[tuple[str, str, int]] = field(default_factory=list)
     """(tenant, agent, attempts beyond each step's first)."""
     attempts: list[tuple[str, str, str, int]] = field(default_factory=list)
@@ -100,10 +101,10 @@ class _Series:
 
 
 LATENCY_COLUMNS = tuple(latency_bucket_column(b) for b in LATENCY_BUCKETS_S)
-JOBS = _Series("job", 2, ("n", "input_tokens", "output_tokens", "cost_usd", "resends", "redrives"))
+USAGE_VALUES = ("input_tokens", "output_tokens", "cost_usd", "cached_input_tokens", "reasoning_tokens")
+JOBS = _Series("job", 2, ("n", *USAGE_VALUES, "resends", "redrives"))
 """(tenant, status, planner): jobs, planner usage, plan re-sends, plannings re-driven."""
-STEPS = _Series("step", 2, ("n", "input_tokens", "output_tokens", "cost_usd", "retries", "resends", "latency_count",
-                            "latency_ms", *LATENCY_COLUMNS))
+STEPS = _Series("step", 2, ("n", *USAGE_VALUES, "retries", "resends", "latency_count", "latency_ms", *LATENCY_COLUMNS))
 """(tenant, agent, status): steps, usage, retries, re-sends, timed steps, their latency sum and buckets."""
 ATTEMPTS = _Series("attempt", 2, ("n",))
 """(tenant, agent, outcome): finished attempts."""
@@ -111,8 +112,7 @@ WEBHOOKS = _Series("webhook", 1, ("n",))
 """(tenant, status): deliveries."""
 WEBHOOK_ATTEMPTS = _Series("webhook_attempt", 1, ("n",))
 """(tenant, outcome): finished sends."""
-ROLLUP_VALUES = ("n", "input_tokens", "output_tokens", "cost_usd", "retries", "resends", "redrives", "latency_count",
-                 "latency_ms", *LATENCY_COLUMNS)
+ROLLUP_VALUES = ("n", *USAGE_VALUES, "retries", "resends", "redrives", "latency_count", "latency_ms", *LATENCY_COLUMNS)
 
 
 # --- the scrape ----------------------------------------------------------------------------------
@@ -191,24 +191,22 @@ def _job_scan(jobs: Any) -> Any:
     return sa.select(
         col(Job.tenant), col(Job.status), col(Job.planner), sa.func.count(),
         _sum(col(Job.planner_input_tokens)), _sum(col(Job.planner_output_tokens)), _sum(col(Job.planner_cost_usd)),
+        _sum(col(Job.planner_cached_input_tokens)), _sum(col(Job.planner_reasoning_tokens)),
         _sum(col(Job.plan_resends)), _sum(redrives),
     ).where(jobs).group_by(col(Job.tenant), col(Job.status), col(Job.planner))
 
 
 def _add_jobs(agg: StoreAggregates, rows: Any) -> None:
     by_status: dict[tuple[str, str], int] = defaultdict(int)
-    planner: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    planner: dict[tuple[str, str], list[float]] = defaultdict(_no_usage)
     actions: dict[tuple[str, str], int] = defaultdict(int)
-    for tenant, status, planner_name, n, tokens_in, tokens_out, usd, resends, redrives in rows:
+    for tenant, status, planner_name, n, *usage, resends, redrives in rows:
         by_status[(tenant, status)] += int(n)
-        totals = planner[(tenant, planner_name)]
-        totals[0] += int(tokens_in)
-        totals[1] += int(tokens_out)
-        totals[2] += float(usd)
+        _add_usage(planner[(tenant, planner_name)], usage)
         actions[(tenant, "plan")] += int(resends)
         actions[(tenant, "planning_redrive")] += int(redrives)
     agg.jobs = [(t, st, n) for (t, st), n in by_status.items()]
-    agg.usage += [(t, "planner", name, int(v[0]), int(v[1]), float(v[2])) for (t, name), v in planner.items()]
+    agg.usage += [_usage_row(t, "planner", name, v) for (t, name), v in planner.items()]
     agg.resends += [(t, action, n) for (t, action), n in actions.items()]
 
 
@@ -220,6 +218,7 @@ def _step_scan(jobs: Any) -> Any:
         sa.select(
             col(Job.tenant), col(Step.agent), col(Step.status), sa.func.count(),
             _sum(col(Step.input_tokens)), _sum(col(Step.output_tokens)), _sum(col(Step.cost_usd)),
+            _sum(col(Step.cached_input_tokens)), _sum(col(Step.reasoning_tokens)),
             _sum(retries), _sum(col(Step.resends)), sa.func.count(ms), _sum(ms), *buckets,
         )
         .select_from(sa.join(Step, Job, col(Step.job_id) == col(Job.id)))
@@ -231,27 +230,43 @@ def _step_scan(jobs: Any) -> Any:
 def _add_steps(agg: StoreAggregates, rows: Any) -> None:
     """Per status rows folded into per agent series. A recursive step's usage, retries and latency are its
     child job's, counted there: only its status is counted here."""
-    usage: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    usage: dict[tuple[str, str], list[float]] = defaultdict(_no_usage)
     retries: dict[tuple[str, str], int] = defaultdict(int)
     resends: dict[str, int] = defaultdict(int)
     latency: dict[str, list[int]] = defaultdict(lambda: [0] * (len(LATENCY_BUCKETS_S) + 2))
-    for tenant, agent, status, n, tokens_in, tokens_out, usd, retried, resent, timed, total_ms, *cumulative in rows:
+    width = len(USAGE_VALUES)
+    for row in rows:
+        tenant, agent, status, n = row[:4]
+        spent, (retried, resent, timed, total_ms, *cumulative) = row[4:4 + width], row[4 + width:]
         agg.steps.append((tenant, agent, status, int(n)))
         resends[tenant] += int(resent)
         if agent == CONDUCTOR_AGENT:
             continue
-        totals = usage[(tenant, agent)]
-        totals[0] += int(tokens_in)
-        totals[1] += int(tokens_out)
-        totals[2] += float(usd)
+        _add_usage(usage[(tenant, agent)], spent)
         retries[(tenant, agent)] += int(retried)
         hist = latency[agent]
         for i, v in enumerate([int(timed), int(total_ms), *(int(c) for c in cumulative)]):
             hist[i] += v
-    agg.usage += [(t, "worker", agent, int(v[0]), int(v[1]), float(v[2])) for (t, agent), v in usage.items()]
+    agg.usage += [_usage_row(t, "worker", agent, v) for (t, agent), v in usage.items()]
     agg.retries = [(t, agent, n) for (t, agent), n in retries.items()]
     agg.resends += [(t, "step", n) for t, n in resends.items()]
     agg.latency = [LatencyHistogram(agent, tuple(h[2:]), h[0], h[1] / 1000) for agent, h in latency.items() if h[0]]
+
+
+def _no_usage() -> list[float]:
+    """Sums of ``USAGE_VALUES``, none yet."""
+    return [0, 0, 0.0, 0, 0]
+
+
+def _add_usage(totals: list[float], values: Sequence[Any]) -> None:
+    """Adds a row's ``USAGE_VALUES`` to ``totals``."""
+    for i, v in enumerate(values):
+        totals[i] += float(v) if USAGE_VALUES[i] == "cost_usd" else int(v)
+
+
+def _usage_row(tenant: str, role: str, agent: str, v: list[float]) -> tuple[str, str, str, int, int, float, int, int]:
+    """A ``StoreAggregates.usage`` row from the sums of ``USAGE_VALUES``."""
+    return (tenant, role, agent, int(v[0]), int(v[1]), float(v[2]), int(v[3]), int(v[4]))
 
 
 def _webhook_deliveries(deliveries: Any) -> Any:
@@ -395,13 +410,15 @@ def _mark(session: Session, model: type[Job] | type[WebhookDelivery], ids: list[
 
 
 def add_late_usage(session: Session, *, tenant: str, series: str, labels: tuple[str, str],
-                   input_tokens: int, output_tokens: int, cost_usd: float) -> None:
+                   input_tokens: int, output_tokens: int, cost_usd: float, cached_input_tokens: int = 0,
+                   reasoning_tokens: int = 0) -> None:
     """Usage written to a job already folded (a call that returned after the rollup took its job: a worker
     that lost its lease, a planning re-driven past ``metrics_abandoned_s``) is added to the rollup too, in
     the caller's transaction: the scrape no longer reads that job's rows. ``series`` is ``step`` (labels
     agent, status) or ``job`` (status, planner: the planner's usage)."""
-    row = dict.fromkeys(ROLLUP_VALUES, 0) | {"input_tokens": int(input_tokens), "output_tokens": int(output_tokens),
-                                             "cost_usd": float(cost_usd)}
+    row = dict.fromkeys(ROLLUP_VALUES, 0) | {
+        "input_tokens": int(input_tokens), "output_tokens": int(output_tokens), "cost_usd": float(cost_usd),
+        "cached_input_tokens": int(cached_input_tokens), "reasoning_tokens": int(reasoning_tokens)}
     _upsert(session, [{"tenant": tenant, "series": series, "label_a": labels[0], "label_b": labels[1], **row}])
 
 

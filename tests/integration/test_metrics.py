@@ -112,6 +112,14 @@ def assert_store_series(got: Samples) -> None:
         tokens[L(tenant=j.tenant, role="planner", agent=j.planner, direction="output")] += j.planner_output_tokens
         cost[L(tenant=j.tenant, role="planner", agent=j.planner)] += j.planner_cost_usd
     assert series(got, "conductor_tokens_total") == tokens
+    for name, column in (("conductor_cached_input_tokens_total", "cached_input_tokens"),
+                         ("conductor_reasoning_tokens_total", "reasoning_tokens")):
+        details: dict[tuple[tuple[str, str], ...], float] = defaultdict(float)
+        for st in worker_steps:
+            details[L(tenant=tenant_of[st.job_id], role="worker", agent=st.agent)] += getattr(st, column)
+        for j in jobs:
+            details[L(tenant=j.tenant, role="planner", agent=j.planner)] += getattr(j, f"planner_{column}")
+        assert series(got, name) == details, name
     assert sum(tokens.values()) > 0
     assert series(got, "conductor_cost_usd_total") == pytest.approx(cost)
     assert sum(cost.values()) > 0

@@ -33,9 +33,10 @@ def numbers(tenant: str | None = None) -> dict[tuple[Any, ...], float]:
     for name in ("jobs", "steps", "usage", "retries", "attempts", "resends", "webhooks", "webhook_attempts"):
         for row in getattr(agg, name):
             if str(row[0]).startswith(PREFIX):
+                labels = tuple(v for v in row if isinstance(v, str))  # a row's key: never a (rounded) sum
                 for i, v in enumerate(row):
                     if isinstance(v, int | float) and not isinstance(v, bool):
-                        out[(name, *row[:i], i)] = v
+                        out[(name, *labels, i)] = v
     return out
 
 
