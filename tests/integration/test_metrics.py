@@ -120,6 +120,7 @@ def assert_store_series(got: Samples) -> None:
         for j in jobs:
             details[L(tenant=j.tenant, role="planner", agent=j.planner)] += getattr(j, f"planner_{column}")
         assert series(got, name) == details, name
+    assert series(got, "conductor_cached_input_tokens_total")[L(tenant="tenant-a", role="worker", agent="d")] >= 4
     assert sum(tokens.values()) > 0
     assert series(got, "conductor_cost_usd_total") == pytest.approx(cost)
     assert sum(cost.values()) > 0

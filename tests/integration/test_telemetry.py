@@ -71,6 +71,7 @@ def test_each_step_span_carries_the_genai_attributes_of_its_row(exporter: InMemo
     assert job_span.context is not None and job_span.context.trace_id == int(job_id, 16)  # found by job id
     assert job_span.attributes is not None and job_span.attributes["gen_ai.operation.name"] == "invoke_agent"
     assert job_span.attributes["gen_ai.usage.input_tokens"] == sum(st.input_tokens for st in stored)
+    assert job_span.attributes["gen_ai.usage.cache_read.input_tokens"] == 4  # the join, agent d (tests/pools/sim.yaml)
     assert (planning.attributes or {})["conductor.workflow.source"] == "request"
     assert planning.parent is not None and planning.parent.span_id == job_span.context.span_id
     assert len(steps) == 4
@@ -83,6 +84,8 @@ def test_each_step_span_carries_the_genai_attributes_of_its_row(exporter: InMemo
         assert a["gen_ai.request.model"] == st.model == f"sim-{st.agent}"
         assert a["gen_ai.usage.input_tokens"] == st.input_tokens > 0
         assert a["gen_ai.usage.output_tokens"] == st.output_tokens > 0
+        assert a["gen_ai.usage.cache_read.input_tokens"] == st.cached_input_tokens == (4 if st.agent == "d" else 0)
+        assert a["conductor.usage.reasoning_tokens"] == st.reasoning_tokens
         assert a["conductor.step.access_list"] == tuple(st.access_list)
         assert "gen_ai.input.messages" not in a and "gen_ai.output.messages" not in a  # no content by default
         assert span.parent is not None and span.parent.span_id == job_span.context.span_id
