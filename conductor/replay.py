@@ -246,7 +246,14 @@ def reusable(
 
 
 def _same_agent(before: PoolConfig, now: PoolConfig, agent: str) -> bool:
+    """Whether ``agent`` would answer as it did: its pool entry unchanged but for its price, which changes what
+    a call costs, not what it says (a price list's new field, e.g. ``cached_input_per_mtok``, re-ran nothing)."""
     if agent == CONDUCTOR_AGENT:  # a recursive step plans with the whole pool
-        return before.model_dump() == now.model_dump()
+        return _unpriced(before) == _unpriced(now)
     old, new = before.agents.get(agent), now.agents.get(agent)
-    return old is not None and new is not None and old.model_dump() == new.model_dump()
+    return old is not None and new is not None and old.model_dump(exclude={"price"}) == new.model_dump(
+        exclude={"price"})
+
+
+def _unpriced(pool: PoolConfig) -> dict[str, Any]:
+    return pool.model_dump(exclude={"agents": {"__all__": {"price"}}})

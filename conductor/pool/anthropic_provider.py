@@ -9,8 +9,8 @@ the tokens read from the prompt cache (``cache_read_input_tokens``) and written 
 OpenAI counts it: the three added. Of them, ``cached_input_tokens`` are the cache reads (priced at the
 agent's ``cached_input_per_mtok``); cache writes count as ordinary input, at ``input_per_mtok`` (Anthropic
 bills them at 1.25x that for the 5-minute cache, 2x for the 1-hour one; a price has no cache-write rate, so
-their cost is under-counted). ``reasoning_tokens`` stays 0: Anthropic does not report thinking tokens apart
-from ``output_tokens`` (which includes them; this provider does not ask for extended thinking anyway).
+their cost is under-counted). ``reasoning_tokens`` are ``usage.output_tokens_details.thinking_tokens`` (part
+of ``output_tokens``), 0 when not sent or not a count: a detail never fails a call that answered.
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ class AnthropicProvider(Provider):
             # absent or null: no cache was used (older API versions, compatible servers)
             cache_writes = usage.cache_creation_input_tokens or 0
             cache_reads = usage.cache_read_input_tokens or 0
+            details = getattr(usage, "output_tokens_details", None)
+            thinking = getattr(details, "thinking_tokens", None)
             stop_reason = response.stop_reason
             model = response.model or self.config.model
         except (AttributeError, TypeError) as exc:
@@ -118,6 +120,7 @@ class AnthropicProvider(Provider):
             input_tokens=prompt_tokens,
             output_tokens=output_tokens,
             cached_input_tokens=max(0, min(cache_reads, prompt_tokens)),
+            reasoning_tokens=max(0, min(thinking, output_tokens)) if type(thinking) is int else 0,
             finish_reason=FINISH_REASONS.get(raw_reason, raw_reason),
             model=str(model),
             latency_ms=latency_ms,

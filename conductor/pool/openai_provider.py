@@ -127,8 +127,7 @@ class OpenAIProvider(Provider):
             model = response.model or self.config.model
         except (AttributeError, IndexError, TypeError) as exc:
             raise malformed_response(self.where, f"missing field ({exc})", secret=api_key) from None
-        if not (isinstance(text, str) and isinstance(input_tokens, int) and isinstance(output_tokens, int)
-                and isinstance(cached_tokens, int) and isinstance(reasoning_tokens, int)):
+        if not (isinstance(text, str) and isinstance(input_tokens, int) and isinstance(output_tokens, int)):
             raise malformed_response(self.where, "content or usage has the wrong type", secret=api_key)
         return Completion(
             text=text,
@@ -150,14 +149,12 @@ class OpenAIProvider(Provider):
         )
 
 
-def _detail(details: object, name: str) -> object:
-    """A count of ``usage.prompt_tokens_details`` or ``usage.completion_tokens_details``: 0 when the object or
-    the count is absent or null (vLLM and llama.cpp's server may send neither). A details object without the
-    attribute raises AttributeError: a malformed response."""
-    if details is None:
-        return 0
-    value = getattr(details, name)
-    return 0 if value is None else value
+def _detail(details: object, name: str) -> int:
+    """A count of ``usage.prompt_tokens_details`` or ``usage.completion_tokens_details``; 0 when the object or
+    the count is absent, null or not a whole number (vLLM and llama.cpp's server may send neither, a compatible
+    server something else): a detail never fails a call that answered and was paid for."""
+    value = getattr(details, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _error_detail(body: object, fallback: str) -> str:

@@ -45,6 +45,8 @@ class AnthropicReply(Reply):
     """``usage.cache_read_input_tokens``; None: not sent."""
     cache_creation_input_tokens: int | None = None
     """``usage.cache_creation_input_tokens``; None: not sent."""
+    thinking_tokens: int | None = None
+    """``usage.output_tokens_details.thinking_tokens`` (part of ``output_tokens``); None: no details sent."""
 
 
 class FakeAnthropicServer(FakeProviderServer):
@@ -64,6 +66,8 @@ class FakeAnthropicServer(FakeProviderServer):
             for name in ("cache_creation_input_tokens", "cache_read_input_tokens"):
                 if getattr(reply, name) is not None:
                     usage[name] = getattr(reply, name)
+            if reply.thinking_tokens is not None:
+                usage["output_tokens_details"] = {"thinking_tokens": reply.thinking_tokens}
         return {
             "id": self.next_id("msg_fake"),
             "type": "message",

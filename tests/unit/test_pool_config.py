@@ -159,11 +159,12 @@ def test_a_pool_snapshot_leaves_out_an_unset_cached_price(tmp_path: Path, mode: 
     assert type(pool).model_validate(snapshot) == pool
 
 
-def test_the_research_pool_prices_cached_input_where_the_vendor_publishes_it() -> None:
-    agents = load_pool(SHIPPED_POOLS_DIR / "research.yaml").agents
-    assert agents["gpt-5"].price.cached_input_per_mtok == 0.125  # a tenth of 1.25
-    assert agents["claude-sonnet-4"].price.cached_input_per_mtok == 0.3  # cache reads: a tenth of 3.0
-    assert agents["gemini-2.5-pro"].price.cached_input_per_mtok is None  # not set: priced as input
+@pytest.mark.parametrize("name", ["research", "local", "local-gemma", "sim"])
+def test_no_shipped_pool_sets_a_cached_price_yet(name: str) -> None:
+    """Their jobs' snapshots must stay readable by the workers of the release before the field, which refuse
+    an unknown price key: a shipped pool sets it one release later (research.yaml says which prices)."""
+    pool = load_pool(SHIPPED_POOLS_DIR / f"{name}.yaml")
+    assert all("cached_input_per_mtok" not in a["price"] for a in pool.model_dump()["agents"].values())
 
 
 def test_a_sim_agent_reports_its_cached_input_tokens_option() -> None:

@@ -96,7 +96,7 @@ def test_cache_reads_and_writes_are_added_to_the_input_and_reads_are_its_cached_
     completion = make_provider(server).complete(MESSAGES, CallOptions())
 
     assert (completion.input_tokens, completion.output_tokens) == (1050, 20)
-    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (900, 0)  # no thinking count apart
+    assert (completion.cached_input_tokens, completion.reasoning_tokens) == (900, 0)  # no thinking details sent
     # the reads at the cached price; the writes at the input price (Anthropic bills them 1.25x: under-counted)
     price = Price(input_per_mtok=3.0, cached_input_per_mtok=0.3, output_per_mtok=15.0)
     cost = price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens)
@@ -297,3 +297,20 @@ def test_api_key_never_appears_in_an_error(server: FakeAnthropicServer, reply: R
     assert SECRET not in str(err)
     assert SECRET not in repr(err)
     assert err.__cause__ is None and err.__suppress_context__
+
+
+@pytest.mark.parametrize(("details", "reasoning"), [({"thinking_tokens": 15}, 15), ({"thinking_tokens": 99}, 20),
+                                                    ({"thinking_tokens": "n/a"}, 0), (None, 0)])
+def test_thinking_tokens_are_the_reasoning_part_of_the_output(
+    server: FakeAnthropicServer, details: dict[str, object] | None, reasoning: int,
+) -> None:
+    server.script(Reply(body=usage_body({"output_tokens": 20, "output_tokens_details": details})))
+
+    completion = make_provider(server).complete(MESSAGES, CallOptions())
+
+    assert (completion.output_tokens, completion.reasoning_tokens) == (20, reasoning)  # at most the output
+
+
+def test_the_fake_reports_thinking_as_the_api_does(server: FakeAnthropicServer) -> None:
+    server.script(AnthropicReply("Fine.", input_tokens=10, output_tokens=40, thinking_tokens=25))
+    assert make_provider(server).complete(MESSAGES, CallOptions()).reasoning_tokens == 25
