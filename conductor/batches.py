@@ -314,8 +314,8 @@ def finish_if_done(batch_id: str) -> bool:
         stamps = {"finalizing_at": now, f"{final}_at": now}
         if not store.transition_batch(s, batch_id=batch_id, from_=BatchStatus.OPEN, to=final, **stamps):
             return False  # another caller ended it first
-        output, errors = render_results(s, batch)
-        ids = {}
+        output, errors, usage = render_results(s, batch)
+        ids: dict[str, Any] = {"usage": usage}
         for kind, lines, purpose in (("output", output, "batch_output"), ("error", errors, "batch_output")):
             if not lines:
                 continue
@@ -325,8 +325,7 @@ def finish_if_done(batch_id: str) -> bool:
                 size_bytes=len(content), lines=len(lines), content=content,
             ))
             ids[f"{kind}_file_id"] = file.id
-        if ids:
-            store.transition_batch(s, batch_id=batch_id, from_=[final], to=final, **ids)
+        store.transition_batch(s, batch_id=batch_id, from_=[final], to=final, **ids)
     log.info("batch %s %s", batch_id, final)
     return True
 
@@ -337,10 +336,16 @@ def _final_status(batch: Batch) -> str:
     return BatchStatus.COMPLETED
 
 
-def render_results(session: Session, batch: Batch) -> tuple[list[str], list[str]]:
-    """(output lines, error lines) in input order, each a ``BatchOutputLine`` as JSON."""
+BATCH_USAGE = ("input_tokens", "output_tokens", "cached_input_tokens", "reasoning_tokens")
+"""A batch's usage: the sums of these job totals over its lines' jobs (a refused line has none)."""
+
+
+def render_results(session: Session, batch: Batch) -> tuple[list[str], list[str], dict[str, int]]:
+    """(output lines, error lines) in input order, each a ``BatchOutputLine`` as JSON, and the batch's usage
+    (``BATCH_USAGE``) as its jobs' totals are now: every call of a line's job, its planner's too."""
     output: list[str] = []
     errors: list[str] = []
+    usage = dict.fromkeys(BATCH_USAGE, 0)
     expired = batch.expired_at is not None
     lines = store.batch_lines(session, batch_id=batch.id)
     answers_tell = batch.endpoint in OPENAI_ENDPOINTS
@@ -349,7 +354,9 @@ def render_results(session: Session, batch: Batch) -> tuple[list[str], list[str]
     for request, job in lines:
         line = _result_line(batch, request, job, expired=expired, reasons=reasons, rows=rows)
         (output if line.error is None else errors).append(line.model_dump_json())
-    return output, errors
+        for name in BATCH_USAGE if job is not None else ():
+            usage[name] += getattr(job, name)
+    return output, errors, usage
 
 
 def _result_line(batch: Batch, request: BatchRequest, job: Job | None, *, expired: bool,

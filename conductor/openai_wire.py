@@ -493,6 +493,8 @@ class BatchObject(BaseModel):
     cancelled_at: int | None = None
     request_counts: RequestCounts
     metadata: dict[str, str] | None = None
+    usage: ResponseUsage | None = None
+    """Its jobs' tokens, once it has ended (null before): the shape of OpenAI's ``BatchUsage``."""
 
 
 class BatchList(BaseModel):

@@ -322,6 +322,8 @@ class Batch(SQLModel, table=True):
     expired_at: datetime | None = _ts()
     cancelling_at: datetime | None = _ts()
     cancelled_at: datetime | None = _ts()
+    usage: dict[str, int] | None = _json()
+    """Its jobs' tokens (``BATCH_USAGE``), summed when it ended; None before."""
 
 
 class BatchRequest(SQLModel, table=True):

@@ -96,6 +96,7 @@ def test_a_batch_of_50_chat_completions(oai: openai.OpenAI, tmp_path: Path) -> N
                                  completion_window="24h", metadata={"run": "nightly"})
     assert created.status == "in_progress" and created.request_counts is not None
     assert created.request_counts.total == 50 and created.metadata == {"run": "nightly"}
+    assert created.usage is None  # summed when the batch ends
 
     batch = wait_batch(oai, created.id)
     assert batch.status == "completed" and batch.error_file_id is None
@@ -115,10 +116,37 @@ def test_a_batch_of_50_chat_completions(oai: openai.OpenAI, tmp_path: Path) -> N
         job = jobs[body["id"]]
         assert job.status == "succeeded" and job.task == f"question {line['custom_id']}"
         assert body["usage"]["prompt_tokens"] == job.input_tokens
+    assert batch.usage is not None  # the SDK's BatchUsage: every line's job, its planner's calls too
+    assert batch.usage.input_tokens == sum(j.input_tokens for j in jobs.values()) > 0
+    assert batch.usage.output_tokens == sum(j.output_tokens for j in jobs.values()) > 0
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
     assert created.id in [b.id for b in oai.batches.list(limit=100)]
     listed = [f.id for f in oai.files.list(limit=1)]  # auto-paging: one file per request
     assert {uploaded.id, batch.output_file_id} <= set(listed) and len(listed) == len(set(listed))
     assert uploaded.id not in [f.id for f in oai.files.list(purpose="batch_output")]
+
+
+def test_a_batchs_usage_sums_its_jobs_with_their_cached_and_reasoning_parts(oai: openai.OpenAI) -> None:
+    """Agent d of the test pool reports a prompt-cache read: the batch's usage carries its jobs' cached input;
+    a refused line has no job and adds nothing."""
+    workflow = {"model_ids": ["a", "d"], "subtasks": ["draft", "check"], "access_lists": [[], [0]]}
+    lines = [job_line(f"j{n}", {"task": f"task {n}", "workflow": workflow}) for n in range(3)]
+    lines.append(job_line("refused", {"task": ""}))
+    uploaded = oai.files.create(file=("jobs.jsonl", jsonl(lines)), purpose="batch")
+    created = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+    batch = wait_batch(oai, created.id)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+    with session_scope() as s:
+        jobs = list(s.exec(select(Job).where(Job.batch_id == created.id)))
+    assert len(jobs) == 3 and all(j.status == "succeeded" for j in jobs)
+    usage = batch.usage
+    assert usage is not None
+    assert (usage.input_tokens, usage.output_tokens) == (sum(j.input_tokens for j in jobs),
+                                                         sum(j.output_tokens for j in jobs))
+    assert usage.input_tokens_details.cached_tokens == sum(j.cached_input_tokens for j in jobs) == 3 * 4
+    assert usage.output_tokens_details.reasoning_tokens == sum(j.reasoning_tokens for j in jobs) == 0
+    assert oai.batches.retrieve(created.id).usage == usage  # stored: every later read tells the same
 
 
 def response_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,15 @@ from fastapi import APIRouter, BackgroundTasks, Query, Response
 from sqlmodel import Session
 
 from conductor.batches import BatchFileError, cancel_batch, create_batch, finish_if_done
-from conductor.openai_wire import BatchCreate, BatchList, BatchObject, RequestCounts
+from conductor.openai_wire import (
+    BatchCreate,
+    BatchList,
+    BatchObject,
+    InputTokensDetails,
+    OutputTokensDetails,
+    RequestCounts,
+    ResponseUsage,
+)
 from conductor.quotas import BatchTooLarge, admission, check_batch_jobs_in_flight
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
@@ -56,7 +64,18 @@ def batch_object(batch: Batch, counts: store.Counts) -> BatchObject:
         cancelled_at=_ts(batch.cancelled_at),
         request_counts=RequestCounts(total=batch.total, completed=counts.completed, failed=counts.failed),
         metadata=batch.meta,
+        usage=_usage(batch.usage),
     )
+
+
+def _usage(summed: dict[str, int] | None) -> ResponseUsage | None:
+    """A batch's usage as OpenAI's batch object tells it (the Responses API's shape)."""
+    if summed is None:
+        return None
+    tokens_in, tokens_out = summed.get("input_tokens", 0), summed.get("output_tokens", 0)
+    return ResponseUsage(input_tokens=tokens_in, output_tokens=tokens_out, total_tokens=tokens_in + tokens_out,
+                         input_tokens_details=InputTokensDetails(cached_tokens=summed.get("cached_input_tokens", 0)),
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=summed.get("reasoning_tokens", 0)))
 
 
 def batch_or_404(session: Session, batch_id: str, tenant: str) -> Batch:
