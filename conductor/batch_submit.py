@@ -94,6 +94,17 @@ def progress_bar(batch: dict[str, Any]) -> str:
             f"({counts['failed']} failed) {batch['status']}")
 
 
+def usage_line(batch: dict[str, Any]) -> str | None:
+    """What an ended batch's jobs used (``usage`` of the batch object), for a person; None before it ends."""
+    usage = batch.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (usage.get("output_tokens_details") or {}).get("reasoning_tokens", 0)
+    return (f"batch {batch['id']} used {usage.get('input_tokens', 0):,} input tokens ({cached:,} cached) and "
+            f"{usage.get('output_tokens', 0):,} output tokens ({reasoning:,} reasoning)")
+
+
 def write_results(client: httpx.Client, batch: dict[str, Any], results: Path, *, out: TextIO = sys.stderr,
                   patience_s: float = PATIENCE_S, retry_s: float = POLL_BACKOFF_MAX_S / 2) -> tuple[int, int]:
     """Writes every line's result, in input order (``GET /v1/batches/{id}/results``), to ``results``;

@@ -665,6 +665,9 @@ def _submit_batch(args: argparse.Namespace) -> int:
                   if batch_id and results else "")
         raise CliError(f"{exc}{resume}") from exc
     print(results)
+    usage = b.usage_line(batch)
+    if usage:
+        print(usage, file=sys.stderr)
     total = batch["request_counts"]["total"]
     if batch["status"] != "completed" or failed:
         raise CliError(f"batch {batch['id']} {batch['status']}: {failed} of {total} requests failed; "

@@ -504,6 +504,11 @@ def test_cli_submit_batch_wait_writes_the_results(proc_env: dict[str, str], api:
     assert done.returncode == 1, done.stderr  # one line failed: said on stderr, results still written
     assert done.stdout.splitlines()[0].startswith("batch_")
     assert "6/6 (1 failed) completed" in done.stderr and "1 of 6 requests failed" in done.stderr
+    with session_scope() as s:
+        jobs = list(s.exec(select(Job).where(Job.batch_id == done.stdout.splitlines()[0])))
+    used = (f"used {sum(j.input_tokens for j in jobs):,} input tokens (0 cached) and "
+            f"{sum(j.output_tokens for j in jobs):,} output tokens (0 reasoning)")
+    assert len(jobs) == 5 and used in done.stderr, done.stderr
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     assert [line["custom_id"] for line in lines] == [f"c{n}" for n in range(5)] + ["bad"]
     assert all(line["response"]["body"]["choices"][0]["message"]["content"] == SIM_ANSWER for line in lines[:5])
