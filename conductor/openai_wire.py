@@ -454,6 +454,20 @@ class BatchCreate(BaseModel):
         return v
 
 
+class BatchInputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    """OpenAI's ``BatchUsage``: the ``ResponseUsage`` shape without its cache-write details."""
+
+    input_tokens: int
+    input_tokens_details: BatchInputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
 class RequestCounts(BaseModel):
     total: int
     completed: int
@@ -493,8 +507,8 @@ class BatchObject(BaseModel):
     cancelled_at: int | None = None
     request_counts: RequestCounts
     metadata: dict[str, str] | None = None
-    usage: ResponseUsage | None = None
-    """Its jobs' tokens, once it has ended (null before): the shape of OpenAI's ``BatchUsage``."""
+    usage: BatchUsage | None = None
+    """Its jobs' tokens, once it has ended (null before)."""
 
 
 class BatchList(BaseModel):

@@ -246,14 +246,18 @@ def reusable(
 
 
 def _same_agent(before: PoolConfig, now: PoolConfig, agent: str) -> bool:
-    """Whether ``agent`` would answer as it did: its pool entry unchanged but for its price, which changes what
-    a call costs, not what it says (a price list's new field, e.g. ``cached_input_per_mtok``, re-ran nothing)."""
+    """Whether ``agent`` would answer as it did: its pool entry unchanged but for its cached-input price, which
+    changes what a call costs, not what it may say (setting one re-ran every step of the agent). Its other
+    prices count: under a job's ``max_cost_usd`` they set how long a step's answer may be."""
     if agent == CONDUCTOR_AGENT:  # a recursive step plans with the whole pool
-        return _unpriced(before) == _unpriced(now)
+        return _answering(before) == _answering(now)
     old, new = before.agents.get(agent), now.agents.get(agent)
-    return old is not None and new is not None and old.model_dump(exclude={"price"}) == new.model_dump(
-        exclude={"price"})
+    return old is not None and new is not None and old.model_dump(exclude=CACHED_PRICE) == new.model_dump(
+        exclude=CACHED_PRICE)
 
 
-def _unpriced(pool: PoolConfig) -> dict[str, Any]:
-    return pool.model_dump(exclude={"agents": {"__all__": {"price"}}})
+CACHED_PRICE: dict[str, Any] = {"price": {"cached_input_per_mtok"}}
+
+
+def _answering(pool: PoolConfig) -> dict[str, Any]:
+    return pool.model_dump(exclude={"agents": {"__all__": CACHED_PRICE}})

@@ -101,7 +101,7 @@ def test_a_replay_plans_the_original_workflow_under_the_limits_it_was_accepted_w
         make_plan(fresh, settings=settings)
 
 
-def test_a_price_change_alone_leaves_an_agent_unchanged() -> None:
+def test_a_cached_input_price_alone_leaves_an_agent_unchanged() -> None:
     from conductor.pool.config import PoolConfig
     from conductor.replay import _same_agent
 
@@ -110,8 +110,11 @@ def test_a_price_change_alone_leaves_an_agent_unchanged() -> None:
             "a": {"provider": "sim", "model": model, "price": price}, "b": {"provider": "sim"}}})
 
     before = pool({"input_per_mtok": 1.0})
-    repriced = pool({"input_per_mtok": 2.0, "cached_input_per_mtok": 0.2})
-    assert _same_agent(before, repriced, "a") and _same_agent(before, repriced, "conductor")
+    cached = pool({"input_per_mtok": 1.0, "cached_input_per_mtok": 0.2})
+    assert _same_agent(before, cached, "a") and _same_agent(before, cached, "conductor")
+    # under a cost budget the input and output prices bound how long an answer may be: they count
+    repriced = pool({"input_per_mtok": 2.0})
+    assert not _same_agent(before, repriced, "a") and not _same_agent(before, repriced, "conductor")
     other_model = pool({"input_per_mtok": 1.0}, model="m2")
     assert not _same_agent(before, other_model, "a") and not _same_agent(before, other_model, "conductor")
     assert _same_agent(before, other_model, "b")

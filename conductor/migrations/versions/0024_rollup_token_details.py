@@ -3,7 +3,9 @@ details (migration 0023), so ``/metrics`` counts them after a job is rolled up a
 
 Additive, for a rolling deploy: NOT NULL columns with a constant default (Postgres 11+ changes only the
 catalog), under ACCESS EXCLUSIVE on ``metrics_rollup`` for that instant. Code before this revision names the
-columns it upserts, so what it folds adds no details: it had none to add.
+columns it upserts and adds no details: a reconciler of the release before that folds a job whose rows a new
+worker wrote details to drops them from ``/metrics`` (the counters fall, a reset to Prometheus). Upgrade
+``conductor beat`` before the workers (docs/architecture.md, Schema migrations).
 
 Revision ID: 0024_rollup_token_details
 Revises: 0023_token_details

@@ -19,12 +19,12 @@ from sqlmodel import Session
 from conductor.batches import BatchFileError, cancel_batch, create_batch, finish_if_done
 from conductor.openai_wire import (
     BatchCreate,
+    BatchInputTokensDetails,
     BatchList,
     BatchObject,
-    InputTokensDetails,
+    BatchUsage,
     OutputTokensDetails,
     RequestCounts,
-    ResponseUsage,
 )
 from conductor.quotas import BatchTooLarge, admission, check_batch_jobs_in_flight
 from conductor.service.deps import SessionDep, SettingsDep, TenantDep
@@ -68,14 +68,14 @@ def batch_object(batch: Batch, counts: store.Counts) -> BatchObject:
     )
 
 
-def _usage(summed: dict[str, int] | None) -> ResponseUsage | None:
-    """A batch's usage as OpenAI's batch object tells it (the Responses API's shape)."""
+def _usage(summed: dict[str, int] | None) -> BatchUsage | None:
+    """A batch's usage as OpenAI's batch object tells it."""
     if summed is None:
         return None
     tokens_in, tokens_out = summed.get("input_tokens", 0), summed.get("output_tokens", 0)
-    return ResponseUsage(input_tokens=tokens_in, output_tokens=tokens_out, total_tokens=tokens_in + tokens_out,
-                         input_tokens_details=InputTokensDetails(cached_tokens=summed.get("cached_input_tokens", 0)),
-                         output_tokens_details=OutputTokensDetails(reasoning_tokens=summed.get("reasoning_tokens", 0)))
+    return BatchUsage(input_tokens=tokens_in, output_tokens=tokens_out, total_tokens=tokens_in + tokens_out,
+                      input_tokens_details=BatchInputTokensDetails(cached_tokens=summed.get("cached_input_tokens", 0)),
+                      output_tokens_details=OutputTokensDetails(reasoning_tokens=summed.get("reasoning_tokens", 0)))
 
 
 def batch_or_404(session: Session, batch_id: str, tenant: str) -> Batch:
