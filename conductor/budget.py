@@ -45,9 +45,11 @@ def check_deadline(limits: dict[str, Any], created_at: datetime, now: datetime) 
 
 
 def allowed_output_tokens(
-    limits: dict[str, Any], spent: Spent, *, prompt_tokens: int, max_tokens: int, price: Price
+    limits: dict[str, Any], spent: Spent, *, prompt_tokens: int, max_tokens: int, price: Price,
+    cache_writes: bool = False,
 ) -> int:
-    """The output tokens this step may use, or BudgetExceeded when the budget has no room for it."""
+    """The output tokens this step may use, or BudgetExceeded when the budget has no room for it.
+    ``cache_writes``: the call may write its prompt to the provider's cache, at the write price."""
     allowed = max_tokens
     token_budget = limits.get("max_tokens")
     if token_budget is not None:
@@ -60,7 +62,8 @@ def allowed_output_tokens(
         allowed = min(allowed, left)
     cost_budget = limits.get("max_cost_usd")
     if cost_budget is not None:
-        left_usd = float(cost_budget) - spent.cost_usd - price.cost(prompt_tokens, 0)
+        prompt_usd = _prompt_bound(price, prompt_tokens, 0, cache_writes)
+        left_usd = float(cost_budget) - spent.cost_usd - prompt_usd
         if left_usd <= 0:
             raise BudgetExceeded(
                 f"cost budget ${cost_budget} exhausted: ${spent.cost_usd:.6f} spent before this step"
@@ -79,12 +82,24 @@ class Reservation:
     cost_usd: float
 
 
-def step_reservation(limits: dict[str, Any], *, prompt_tokens: int, max_tokens: int, price: Price) -> Reservation:
-    """What a step holds against its job's budgets while it runs: its prompt and its whole allowance."""
+def step_reservation(limits: dict[str, Any], *, prompt_tokens: int, max_tokens: int, price: Price,
+                     cache_writes: bool = False) -> Reservation:
+    """What a step holds against its job's budgets while it runs: its prompt (all of it at the cache-write
+    price if the call may write it to the provider's cache, ``cache_writes``) and its whole allowance."""
     return Reservation(
         tokens=prompt_tokens + max_tokens if limits.get("max_tokens") is not None else 0,
-        cost_usd=price.cost(prompt_tokens, max_tokens) if limits.get("max_cost_usd") is not None else 0.0,
+        cost_usd=(_prompt_bound(price, prompt_tokens, max_tokens, cache_writes)
+                  if limits.get("max_cost_usd") is not None else 0.0),
     )
+
+
+def _prompt_bound(price: Price, prompt_tokens: int, output_tokens: int, cache_writes: bool) -> float:
+    """The most a call of this prompt and output can cost: with cache writes, each prompt token at the higher
+    of the input and the write price."""
+    plain = price.cost(prompt_tokens, output_tokens)
+    if not cache_writes:
+        return plain
+    return max(plain, price.cost(prompt_tokens, output_tokens, cache_write_tokens=prompt_tokens))
 
 
 def child_reservation(limits: dict[str, Any]) -> Reservation:

@@ -37,6 +37,31 @@ def worker_messages(
     return messages
 
 
+MAX_CACHE_POINTS = 4
+"""Anthropic's limit on prompt-cache breakpoints per request."""
+
+
+def cache_points(*, access_list: Sequence[int], peers: Sequence[Sequence[int]], inherited: int) -> tuple[int, ...]:
+    """Where this step's messages (``worker_messages``) end a prefix another step of its job on the same
+    agent sends too: the indices of those prefixes' last messages, ascending, at most ``MAX_CACHE_POINTS``
+    (the longest kept).
+
+    Two steps' messages agree up to the system message, the ``inherited`` context and the turns of the steps
+    their access lists (in step order) start with in common: after ``k`` such steps the prefix ends at message
+    ``inherited + 2k`` (0 is the system message). A provider that caches prompt prefixes on request
+    (Anthropic) is asked to cache exactly these, so whichever of the two runs later reads what the earlier one
+    wrote; a prefix no other step sends is never marked (a cache write costs more than plain input)."""
+    mine = sorted(access_list)
+    points: set[int] = set()
+    for peer in peers:
+        theirs = sorted(peer)
+        shared = 0
+        while shared < min(len(mine), len(theirs)) and mine[shared] == theirs[shared]:
+            shared += 1
+        points.add(inherited + 2 * shared)
+    return tuple(sorted(points)[-MAX_CACHE_POINTS:])
+
+
 def turns_as_messages(turns: Sequence[tuple[str, str]]) -> list[Message]:
     out: list[Message] = []
     for subtask, answer in turns:

@@ -32,7 +32,7 @@ from conductor.budget import (
     estimate_tokens,
     step_reservation,
 )
-from conductor.context import turns_as_messages, worker_messages
+from conductor.context import cache_points, turns_as_messages, worker_messages
 from conductor.errors import (
     BudgetExceeded,
     ConductorError,
@@ -47,7 +47,7 @@ from conductor.planning.planner import longest_planning_s, make_plan
 from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.config import AgentConfig, PoolConfig
 from conductor.pool.errors import ProviderError
-from conductor.pool.registry import provider_for
+from conductor.pool.registry import caches_on_request, provider_for
 from conductor.ratelimit import wait_for_rate_limit
 from conductor.replay import replay_plan, step_rows
 from conductor.retry import RetryPolicy
@@ -280,7 +280,8 @@ def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], roots
             step_input = store.StepInput(
                 JobStatus.RUNNING, job.task, job.context, limits, job.pool_config or {}, job.created_at, tokens, cost,
                 row["agent"], row["instruction"], list(row["access_list"]), job.tenant, unstarted, visible,
-                answers=i == len(rows) - 1)
+                answers=i == len(rows) - 1,
+                peers=[list(r["access_list"]) for j, r in enumerate(rows) if j != i and r["agent"] == row["agent"]])
             rendered = _render(step_input, job.id, now)
             owner = _owner(take.worker if not claims else take.beside or take.worker)
             row.update(status=StepStatus.RUNNING, lease_owner=owner, started_at=now, celery_task_id=take.task_id,
@@ -306,7 +307,7 @@ def _opened_roots(s: Session, job: Job, claims: list[_RootClaim], ids: dict[int,
         else:
             assert r.config is not None  # a recursive step is never taken
             claim = _Claimed(step_id, opened[step_id], 1, agents[c.index], r.messages, r.config, r.max_tokens,
-                             deadline, c.owner, job.tenant)
+                             deadline, c.owner, job.tenant, cache_points=r.cache_points)
         taken.append(Taken(job.id, c.index, agents[c.index], claim))
     return taken
 
@@ -357,6 +358,8 @@ class _Claimed:
     tenant: str
     background: bool = False
     """The job is batch work: its calls wait behind the tenant's live ones at the agent's rate limit."""
+    cache_points: tuple[int, ...] = ()
+    """Where its messages end a prefix another step of the job on its agent sends (``CallOptions``)."""
 
 
 @dataclass
@@ -444,6 +447,7 @@ def _call_and_record(job_id: str, index: int, claimed: _Claimed, settings: Setti
             max_tokens=claimed.max_tokens,
             timeout_s=timeout,
             attempt=n,
+            cache_points=claimed.cache_points,
         )
         started = time.monotonic()
         try:
@@ -507,6 +511,9 @@ class _Rendered:
     limits: dict[str, Any]
     """A recursive step's child limits (what is left of its parent's)."""
     refusal: BudgetExceeded | DeadlineExceeded | None
+    cache_points: tuple[int, ...] = ()
+    """Where its messages end a prefix another step of the job on its agent sends, for an agent that caches
+    prompts on request (``caches_on_request``); none otherwise."""
 
     @property
     def runs(self) -> bool:
@@ -525,6 +532,7 @@ def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
     values: dict[str, Any] = {"messages": [m.as_dict() for m in messages]}
     config: AgentConfig | None = None
     remaining_limits: dict[str, Any] = {}
+    points: tuple[int, ...] = ()
     try:
         check_deadline(row.limits, row.created_at, now)
         if recursive:
@@ -536,16 +544,21 @@ def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
         else:
             config = _pool(job_id, row.pool_config).agents[row.agent]
             values.update(provider=config.provider, model=config.model or f"sim-{row.agent}")
+            if row.peers and caches_on_request(config):
+                points = cache_points(access_list=row.access_list, peers=row.peers, inherited=len(inherited))
             prompt_tokens = sum(estimate_tokens(m.content) for m in messages)
             max_tokens = allowed_output_tokens(
-                row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=_step_cap(row, config), price=config.price
+                row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=_step_cap(row, config), price=config.price,
+                cache_writes=bool(points),
             )
-            held = step_reservation(row.limits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, price=config.price)
+            held = step_reservation(row.limits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, price=config.price,
+                                    cache_writes=bool(points))
             values.update(reserved_usd=held.cost_usd, reserved_tokens=held.tokens)
     except (BudgetExceeded, DeadlineExceeded) as exc:
         refusal = exc
         values.update(RELEASED)
-    return _Rendered(recursive, visible, inherited, messages, values, config, max_tokens, remaining_limits, refusal)
+    return _Rendered(recursive, visible, inherited, messages, values, config, max_tokens, remaining_limits, refusal,
+                     points)
 
 
 def _step_cap(row: store.StepInput, config: AgentConfig) -> int:
@@ -591,7 +604,8 @@ def _claim(
                             messages=r.messages, limits=r.limits, background=row.background)
     assert r.config is not None and claim.attempt_id is not None  # opened with the claim: it runs, below the cap
     return _Claimed(claim.step_id, claim.attempt_id, claim.attempts + 1, row.agent, r.messages, r.config,
-                    r.max_tokens, deadline_of(row.limits, row.created_at), owner, row.tenant, row.background)
+                    r.max_tokens, deadline_of(row.limits, row.created_at), owner, row.tenant, row.background,
+                    r.cache_points)
 
 
 _POOLS: dict[str, PoolConfig] = {}
@@ -660,7 +674,7 @@ def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
         "model": c.model,
         "input_tokens": c.input_tokens,
         "output_tokens": c.output_tokens,
-        "cost_usd": config.price.cost(c.input_tokens, c.output_tokens, c.cached_input_tokens),
+        "cost_usd": config.price.cost(c.input_tokens, c.output_tokens, c.cached_input_tokens, c.cache_write_tokens),
         "cached_input_tokens": c.cached_input_tokens,
         "reasoning_tokens": c.reasoning_tokens,
         "latency_ms": c.latency_ms,

@@ -71,6 +71,24 @@ def the_read_returns_what_the_separate_outputs_query_returns() -> None:
     assert first is not None and first.visible == [] and first.access_list == []
 
 
+def the_read_returns_the_access_lists_of_the_jobs_other_steps_on_its_agent() -> None:
+    """``StepInput.peers`` (where prompt prefixes are shared: ``context.cache_points``): folded into the read
+    on Postgres, a query of its own on SQLite; never the step itself nor a step on another agent."""
+    with session_scope() as s:
+        job, _ = create_job(s, JobCreate.model_validate({"task": "peers", "workflow": {
+            "model_ids": ["a", "b", "a", "a"], "subtasks": ["p0", "p1", "p2", "p3"],
+            "access_lists": [[], [], [0], [1, 0, 2]]}}), tenant="trips", settings=get_settings())
+    plan_job(job.id, settings=get_settings())
+
+    def read(s: Any, index: int) -> list[list[int]]:
+        row = store.read_step_input(s, job_id=job.id, index=index)
+        assert row is not None
+        return sorted(sorted(peer) for peer in row.peers)
+
+    assert transaction(lambda s: read(s, 2)) == [[], [0, 1, 2]]
+    assert transaction(lambda s: read(s, 1)) == []
+
+
 def the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones() -> None:
     settings = get_settings()
     job_id = new_chain(1)
@@ -473,6 +491,7 @@ def a_child_cancelled_while_planning_carries_its_planner_usage_to_its_parent() -
 
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
+    the_read_returns_the_access_lists_of_the_jobs_other_steps_on_its_agent,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
     recording_closes_the_attempt_only_if_still_open,
     recording_returns_the_heads_with_this_step_as_recorded,

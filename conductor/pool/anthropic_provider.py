@@ -3,14 +3,22 @@
 The SDK (2.x) speaks API version 2026-10-21, which rejects sampling parameters (``temperature``,
 ``top_p``, ``top_k``) on every model, so none are sent: ``CallOptions.temperature`` does not apply.
 
+Prompt caching: Anthropic caches a prompt prefix only where a request marks one (``cache_control``). With the
+agent option ``prompt_cache`` (on unless set to false) each call marks the ends of the prefixes another step of
+its job on the same agent sends too (``CallOptions.cache_points``, from the workflow's access lists): the later
+of two such calls reads at a tenth of the input price what the earlier one wrote at 1.25 times it (the
+5-minute cache; a prefix shorter than the model's minimum, 1,024 tokens or more, is neither). A prefix no
+other step sends is never marked. A call that marks any sends all its content as text blocks (the form a
+marker needs), so every call that reads or writes a prefix sends it alike.
+
 Usage: Anthropic's ``usage.input_tokens`` counts only the prompt tokens after the last cache breakpoint;
 the tokens read from the prompt cache (``cache_read_input_tokens``) and written to it
 (``cache_creation_input_tokens``) are reported apart. ``Completion.input_tokens`` is every prompt token, as
 OpenAI counts it: the three added. Of them, ``cached_input_tokens`` are the cache reads (priced at the
-agent's ``cached_input_per_mtok``); cache writes count as ordinary input, at ``input_per_mtok`` (Anthropic
-bills them at 1.25x that for the 5-minute cache, 2x for the 1-hour one; a price has no cache-write rate, so
-their cost is under-counted). ``reasoning_tokens`` are ``usage.output_tokens_details.thinking_tokens`` (part
-of ``output_tokens``), 0 when not sent or not a count: a detail never fails a call that answered.
+agent's ``cached_input_per_mtok``) and ``cache_write_tokens`` the writes (at ``cache_write_per_mtok``, by
+default 1.25 times the input price, the 5-minute cache's rate). ``reasoning_tokens`` are
+``usage.output_tokens_details.thinking_tokens`` (part of ``output_tokens``), 0 when not sent or not a count:
+a detail never fails a call that answered.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any, cast
 import anthropic
 from anthropic.types import Message as AnthropicMessage
 from anthropic.types import MessageParam
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.pool.api_keys import read_api_key
 from conductor.pool.base import CallOptions, Completion, Message, Provider
@@ -48,6 +56,18 @@ FINISH_REASONS = {
 
 class AnthropicOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    prompt_cache: bool = Field(default=True, strict=True)
+    """Mark the prompt prefixes other steps of the job send too for Anthropic's prompt cache."""
+
+
+_EPHEMERAL = {"type": "ephemeral"}
+
+
+def _block(text: str, cached: bool) -> dict[str, Any]:
+    block: dict[str, Any] = {"type": "text", "text": text}
+    if cached:
+        block["cache_control"] = _EPHEMERAL
+    return block
 
 
 class AnthropicProvider(Provider):
@@ -73,14 +93,21 @@ class AnthropicProvider(Provider):
         api_key = read_api_key(self.config.api_key_env or DEFAULT_ANTHROPIC_KEY_ENV, where=self.where)
         client = self._client.with_options(api_key=api_key)
         conversation = to_conversation(messages)
-        turns = [{"role": t.role, "content": t.text} for t in conversation.turns]
+        system: Any = conversation.system if conversation.system is not None else anthropic.omit
+        turns: list[dict[str, Any]] = [{"role": t.role, "content": t.text} for t in conversation.turns]
+        marks = {conversation.ending_at(p, messages) for p in options.cache_points if p < len(messages)} - {None}
+        if self.options.prompt_cache and marks:  # a call with no marker neither reads nor writes the cache
+            if conversation.system is not None:
+                system = [_block(conversation.system, -1 in marks)]
+            turns = [{"role": t.role, "content": [_block(t.text, n in marks)]}
+                     for n, t in enumerate(conversation.turns)]
         started = time.monotonic()
         try:
             response = client.messages.create(
                 model=self.config.model,
                 max_tokens=options.max_tokens,
                 messages=cast("list[MessageParam]", turns),
-                system=conversation.system if conversation.system is not None else anthropic.omit,
+                system=system,
                 output_config=self._output_config(options),
                 timeout=options.timeout_s,
             )
@@ -120,6 +147,7 @@ class AnthropicProvider(Provider):
             input_tokens=prompt_tokens,
             output_tokens=output_tokens,
             cached_input_tokens=max(0, min(cache_reads, prompt_tokens)),
+            cache_write_tokens=max(0, min(cache_writes, prompt_tokens)),
             reasoning_tokens=max(0, min(thinking, output_tokens)) if type(thinking) is int else 0,
             finish_reason=FINISH_REASONS.get(raw_reason, raw_reason),
             model=str(model),

@@ -29,6 +29,10 @@ class CallOptions:
     json_schema: dict[str, Any] | None = None
     attempt: int = 1
     """1-based attempt number of the step this call serves (the sim provider scripts failures on it)."""
+    cache_points: tuple[int, ...] = ()
+    """Indices of the messages that end a prefix another call of this job sends too
+    (``context.cache_points``): a provider that caches prompt prefixes only on request (Anthropic) asks
+    for these; the others cache on their own and ignore it."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class Completion:
     """Of ``input_tokens``, those the provider read from its prompt cache (billed at the cached price)."""
     reasoning_tokens: int = 0
     """Of ``output_tokens``, the model's reasoning (OpenAI's reasoning tokens, Gemini's thoughts)."""
+    cache_write_tokens: int = 0
+    """Of ``input_tokens``, those the provider wrote to its prompt cache (Anthropic's cache writes, billed
+    above the input price: ``Price.cache_write_per_mtok``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", storable_text(self.text))

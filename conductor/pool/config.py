@@ -32,25 +32,44 @@ class PoolError(ValueError):
     """A pool file that cannot be used; the message names the file and every bad entry."""
 
 
+CACHE_WRITE_FACTOR = 1.25
+"""A prompt-cache write's price over the input price when the pool gives none: Anthropic's rate for its
+5-minute cache, the one the Anthropic provider asks for (the only provider that reports writes)."""
+
+
 class Price(BaseModel):
     model_config = ConfigDict(extra="forbid")
     input_per_mtok: float = Field(default=0.0, ge=0)
     output_per_mtok: float = Field(default=0.0, ge=0)
     cached_input_per_mtok: float | None = Field(default=None, ge=0)
     """The price of an input token read from the provider's prompt cache; None: ``input_per_mtok``."""
+    cache_write_per_mtok: float | None = Field(default=None, ge=0)
+    """The price of an input token written to the provider's prompt cache; None: ``CACHE_WRITE_FACTOR``
+    times ``input_per_mtok``."""
 
-    def cost(self, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0) -> float:
-        """``cached_input_tokens`` are part of ``input_tokens`` (at most all of them), priced apart."""
+    @property
+    def write_per_mtok(self) -> float:
+        """What a cache write costs per million tokens, as billed."""
+        if self.cache_write_per_mtok is not None:
+            return self.cache_write_per_mtok
+        return self.input_per_mtok * CACHE_WRITE_FACTOR
+
+    def cost(self, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0,
+             cache_write_tokens: int = 0) -> float:
+        """``cached_input_tokens`` (read from the cache) and ``cache_write_tokens`` (written to it) are part
+        of ``input_tokens`` (together at most all of them), each priced apart."""
         cached = min(max(cached_input_tokens, 0), input_tokens)
+        written = min(max(cache_write_tokens, 0), input_tokens - cached)
         cached_price = self.input_per_mtok if self.cached_input_per_mtok is None else self.cached_input_per_mtok
-        return ((input_tokens - cached) * self.input_per_mtok + cached * cached_price
-                + output_tokens * self.output_per_mtok) / 1_000_000
+        return ((input_tokens - cached - written) * self.input_per_mtok + cached * cached_price
+                + written * self.write_per_mtok + output_tokens * self.output_per_mtok) / 1_000_000
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("cached_input_per_mtok") is None:  # a job's pool snapshot stays readable by older workers
-            data.pop("cached_input_per_mtok", None)
+        for optional in ("cached_input_per_mtok", "cache_write_per_mtok"):
+            if data.get(optional) is None:  # a job's pool snapshot stays readable by older workers
+                data.pop(optional, None)
         return data
 
 

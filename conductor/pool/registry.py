@@ -15,7 +15,9 @@ def build_provider(agent: str, config: AgentConfig) -> Provider:
     try:
         return _build(agent, config)
     except ValidationError as exc:
-        raise ConfigError(f"agent '{agent}': bad options: {exc.errors()[0]['msg']}") from exc
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ConfigError(f"agent '{agent}': bad options: {where + ': ' if where else ''}{first['msg']}") from exc
 
 
 def _build(agent: str, config: AgentConfig) -> Provider:
@@ -40,6 +42,13 @@ def _build(agent: str, config: AgentConfig) -> Provider:
 
         return LocalProvider(agent, config)
     raise ConfigError(f"agent '{agent}': unknown provider '{config.provider}'")
+
+
+def caches_on_request(config: AgentConfig) -> bool:
+    """Whether this agent's calls ask the provider to cache the prompt prefixes other calls share
+    (``CallOptions.cache_points``), and so may pay for cache writes: Anthropic agents unless their option
+    ``prompt_cache`` is false. The other providers cache on their own."""
+    return config.provider == "anthropic" and config.options.get("prompt_cache", True) is not False
 
 
 def provider_for(agent: str, config: AgentConfig) -> Provider:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cache, lru_cache
 from typing import Any, NamedTuple, cast
@@ -763,6 +763,8 @@ class StepInput:
     """The job is batch work (``batch_work_of``): a child job it starts is too."""
     answers: bool = False
     """This is the job's last step: its output is the job's answer (``limits.max_answer_tokens`` caps it)."""
+    peers: list[list[int]] = field(default_factory=list)
+    """The access lists of the job's other steps on this step's agent (``context.cache_points``)."""
 
 
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
@@ -777,11 +779,13 @@ def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput |
     access_list = list(row[10] or [])
     if direct.postgres:
         visible = [(subtask, answer or "") for subtask, answer in row[15] or []]
+        peers = [list(peer) for peer in row[16] or []]
     else:
         visible = visible_outputs(session, job_id=job_id, indices=access_list)
+        peers = peer_access_lists(session, job_id=job_id, index=index, agent=row[8])
     return StepInput(row[0], row[1], row[2], row[3] or {}, row[4] or {}, row[5], int(row[6]), float(row[7]),
                      row[8], row[9], access_list, row[11], int(row[12]), visible, bool(row[13]),
-                     answers=row[14] == index)
+                     answers=row[14] == index, peers=peers)
 
 
 @cache
@@ -819,6 +823,12 @@ def _read_step_input_stmt(with_visible: bool) -> sa.Select[Any]:
                    st.c.access_list.op("@>", return_type=sa.Boolean)(sa.func.jsonb_build_array(seen.c.index)))
             .scalar_subquery()
         )
+        peer = STEP.alias("peer")  # the access lists of the job's other steps on this step's agent
+        columns.append(
+            sa.select(sa.func.jsonb_agg(peer.c.access_list, type_=JSONB))
+            .where(peer.c.job_id == job_id, peer.c.index != st.c.index, peer.c.agent == st.c.agent)
+            .scalar_subquery()
+        )
     return (
         sa.select(*columns)
         .select_from(j.join(st, sa.and_(st.c.job_id == j.c.id, st.c.index == sa.bindparam("p_index"))))
@@ -832,6 +842,15 @@ def visible_outputs(session: Session, *, job_id: str, indices: Sequence[int]) ->
         return []
     rows = _core(session).execute(_visible_outputs_stmt(), {"p_job_id": job_id, "p_indices": list(indices)})
     return [(r[0], r[1] or "") for r in rows]
+
+
+def peer_access_lists(session: Session, *, job_id: str, index: int, agent: str) -> list[list[int]]:
+    """The access lists of the job's other steps on ``agent`` (``StepInput.peers``), where one statement
+    cannot aggregate them."""
+    st = STEP
+    rows = session.execute(sa.select(st.c.access_list).where(st.c.job_id == job_id, st.c.index != index,
+                                                             st.c.agent == agent))
+    return [list(r[0] or []) for r in rows]
 
 
 @cache

@@ -2,11 +2,21 @@
 
 By default ``usage`` has ``input_tokens`` and ``output_tokens`` only; an ``AnthropicReply`` with
 ``cache_read_input_tokens`` or ``cache_creation_input_tokens`` adds those, as the API reports prompt caching.
+
+``FakeAnthropicServer(prompt_cache_min_tokens=N)`` models the prompt cache by the documented rules instead: a
+block marked ``cache_control`` writes the prefix up to it (system blocks, then each message's blocks, in
+order; the markers are not part of the prefix) when it holds at least N tokens; a request reads the longest
+prefix written before that ends at a block boundary at or before one of its markers, at most 20 blocks
+before it; the tokens between what it read and its last marker are written, the rest are ``input_tokens``.
+More than 4 markers are refused, as the API does. Tokens are the fakes' word counts.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +30,6 @@ from tests.fakes.http_base import (
     hang,
     malformed,
     ok,
-    texts_in,
 )
 
 __all__ = ["AnthropicReply", "FakeAnthropicServer", "Reply", "drop", "error", "hang", "malformed", "ok"]
@@ -49,18 +58,78 @@ class AnthropicReply(Reply):
     """``usage.output_tokens_details.thinking_tokens`` (part of ``output_tokens``); None: no details sent."""
 
 
+MAX_CACHE_MARKERS = 4
+LOOKBACK_BLOCKS = 20
+
+
+def _blocks(body: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(role, text, marked) of every prompt block in order: the system's, then each message's."""
+    out: list[tuple[str, str, bool]] = []
+
+    def add(role: str, content: Any) -> None:
+        if isinstance(content, str):
+            out.append((role, content, False))
+        elif isinstance(content, list):
+            for block in content:
+                if isinstance(block, dict) and block.get("type") == "text":
+                    out.append((role, str(block.get("text", "")), "cache_control" in block))
+
+    add("system", body.get("system"))
+    for message in body.get("messages") or []:
+        if isinstance(message, dict):
+            add(str(message.get("role")), message.get("content"))
+    return out
+
+
 class FakeAnthropicServer(FakeProviderServer):
     route = re.compile(r"^/v1/messages$")
+
+    def __init__(self, *args: Any, prompt_cache_min_tokens: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.prompt_cache_min_tokens = prompt_cache_min_tokens
+        self._cache: set[str] = set()
+        self._cache_lock = threading.Lock()
+
+    def _cached_usage(self, body: dict[str, Any]) -> dict[str, int]:
+        """Reads, writes and the rest of the prompt, by the module docstring's rules."""
+        assert self.prompt_cache_min_tokens is not None
+        blocks = _blocks(body)
+        sizes = [count_words(text) if text.strip() else 0 for _, text, _ in blocks]
+        keys, digest = [], hashlib.sha256()
+        for role, text, _ in blocks:
+            digest.update(json.dumps([role, text]).encode())
+            keys.append(digest.copy().hexdigest())
+        marks = [i for i, (_, _, marked) in enumerate(blocks) if marked]
+        total = sum(sizes)
+        with self._cache_lock:
+            read_to = -1
+            for mark in marks:
+                for i in range(mark, max(-1, mark - LOOKBACK_BLOCKS), -1):
+                    if keys[i] in self._cache:
+                        read_to = max(read_to, i)
+                        break
+            read = sum(sizes[:read_to + 1])
+            written = 0
+            for mark in marks:
+                if mark > read_to and sum(sizes[:mark + 1]) >= self.prompt_cache_min_tokens:
+                    self._cache.add(keys[mark])
+                    written = sum(sizes[:mark + 1]) - read
+        return {"input_tokens": total - read - written, "cache_read_input_tokens": read,
+                "cache_creation_input_tokens": written}
 
     def success_body(self, request: RecordedRequest, match: re.Match[str], reply: Reply, text: str) -> Any:
         body = request.body if isinstance(request.body, dict) else {}
         input_tokens = reply.input_tokens
+        cached: dict[str, int] = {}
+        if self.prompt_cache_min_tokens is not None and input_tokens is None:
+            cached = self._cached_usage(body)
+            input_tokens = cached.pop("input_tokens")
         if input_tokens is None:
-            prompt = [body.get("system", ""), body.get("messages", [])]
-            input_tokens = sum(count_words(t) for t in texts_in(prompt))
+            input_tokens = sum(count_words(t) for _, t, _ in _blocks(body) if t.strip())
         usage: dict[str, Any] = {
             "input_tokens": input_tokens,
             "output_tokens": reply.output_tokens if reply.output_tokens is not None else count_words(text),
+            **cached,
         }
         if isinstance(reply, AnthropicReply):
             for name in ("cache_creation_input_tokens", "cache_read_input_tokens"):
@@ -93,9 +162,12 @@ class FakeAnthropicServer(FakeProviderServer):
     def invalid(self, body: Any) -> str | None:
         found = body.get("messages") if isinstance(body, dict) else None
         messages: list[Any] = found if isinstance(found, list) else []
+        if isinstance(body, dict) and sum(marked for _, _, marked in _blocks(body)) > MAX_CACHE_MARKERS:
+            return f"A maximum of {MAX_CACHE_MARKERS} blocks with cache_control may be provided."
         for i, message in enumerate(messages):
             final_assistant = i == len(messages) - 1 and message.get("role") == "assistant"
-            if not "".join(texts_in(message.get("content", ""))).strip() and not final_assistant:
+            texts = [t for _, t, _ in _blocks({"messages": [message]})]
+            if not "".join(texts).strip() and not final_assistant:
                 return f"messages.{i}: all messages must have non-empty content except for the optional final " \
                        "assistant message"
         return None
@@ -103,5 +175,5 @@ class FakeAnthropicServer(FakeProviderServer):
     def last_message_text(self, body: Any) -> str:
         messages = body.get("messages") if isinstance(body, dict) else None
         if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
-            return " ".join(texts_in(messages[-1].get("content", "")))
+            return " ".join(t for _, t, _ in _blocks({"messages": [messages[-1]]}))
         return ""

@@ -28,7 +28,13 @@ def pools_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def proc_env(pools_dir: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "CONDUCTOR_POOLS_DIR": str(pools_dir)}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "CONDUCTOR_POOLS_DIR": str(pools_dir),
+            ANTHROPIC_KEY_ENV: ANTHROPIC_TEST_KEY}
+
+
+ANTHROPIC_KEY_ENV = "CONDUCTOR_TEST_ANTHROPIC_KEY"
+ANTHROPIC_TEST_KEY = "sk-ant-loopback-test"
+"""The key the workers present to a loopback Anthropic server (a pool's ``api_key_env``)."""
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -147,7 +147,7 @@ def test_a_pool_snapshot_leaves_out_an_unset_cached_price(tmp_path: Path, mode: 
     # extra fields forbidden, so the field is written only where a pool sets it
     agent = AgentConfig(provider="sim", price=Price(input_per_mtok=1.0, output_per_mtok=2.0))
     dumped = agent.model_dump(mode=mode)
-    assert "cached_input_per_mtok" not in dumped["price"]
+    assert "cached_input_per_mtok" not in dumped["price"] and "cache_write_per_mtok" not in dumped["price"]
     assert _PriceOfAnOlderRelease.model_validate(dumped["price"]).input_per_mtok == 1.0
     assert AgentConfig.model_validate(dumped) == agent
 
@@ -164,7 +164,10 @@ def test_no_shipped_pool_sets_a_cached_price_yet(name: str) -> None:
     """Their jobs' snapshots must stay readable by the workers of the release before the field, which refuse
     an unknown price key: a shipped pool sets it one release later (research.yaml says which prices)."""
     pool = load_pool(SHIPPED_POOLS_DIR / f"{name}.yaml")
-    assert all("cached_input_per_mtok" not in a["price"] for a in pool.model_dump()["agents"].values())
+    prices = [a["price"] for a in pool.model_dump()["agents"].values()]
+    assert all("cached_input_per_mtok" not in p and "cache_write_per_mtok" not in p for p in prices)
+    # nor an anthropic agent's prompt_cache option, which workers before it refuse the same way
+    assert all("prompt_cache" not in a.options for a in pool.agents.values())
 
 
 def test_a_sim_agent_reports_its_cached_input_tokens_option() -> None:

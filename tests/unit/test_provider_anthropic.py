@@ -97,10 +97,12 @@ def test_cache_reads_and_writes_are_added_to_the_input_and_reads_are_its_cached_
 
     assert (completion.input_tokens, completion.output_tokens) == (1050, 20)
     assert (completion.cached_input_tokens, completion.reasoning_tokens) == (900, 0)  # no thinking details sent
-    # the reads at the cached price; the writes at the input price (Anthropic bills them 1.25x: under-counted)
+    assert completion.cache_write_tokens == 50
+    # the reads at the cached price; the writes at 1.25x the input price (Anthropic's 5-minute cache)
     price = Price(input_per_mtok=3.0, cached_input_per_mtok=0.3, output_per_mtok=15.0)
-    cost = price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens)
-    assert cost == pytest.approx((150 * 3.0 + 900 * 0.3 + 20 * 15.0) / 1_000_000)
+    cost = price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens,
+                      completion.cache_write_tokens)
+    assert cost == pytest.approx((100 * 3.0 + 50 * 3.75 + 900 * 0.3 + 20 * 15.0) / 1_000_000)
 
 
 def usage_body(usage: dict[str, object]) -> dict[str, object]:
@@ -133,7 +135,7 @@ def test_cache_writes_alone_are_input_but_not_cached(server: FakeAnthropicServer
 
     completion = make_provider(server).complete(MESSAGES, CallOptions())
 
-    assert (completion.input_tokens, completion.cached_input_tokens) == (2010, 0)
+    assert (completion.input_tokens, completion.cached_input_tokens, completion.cache_write_tokens) == (2010, 0, 2000)
 
 
 @pytest.mark.parametrize("field", ["cache_read_input_tokens", "cache_creation_input_tokens"])

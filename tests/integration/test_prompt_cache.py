@@ -1,0 +1,80 @@
+"""Anthropic prompt caching through the whole service: a planner writes a plan → execute → verify workflow on
+one Claude agent, real Celery workers run it against a loopback Anthropic server that models the prompt
+cache by its documented rules (``FakeAnthropicServer(prompt_cache_min_tokens=…)``), and each step's usage and
+cost show what the cache saved: the later steps read the prefixes the earlier ones marked and wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.fakes.anthropic_server import FakeAnthropicServer, Reply, _blocks, ok
+from tests.fakes.http_base import count_words
+from tests.fakes.openai_server import FakeOpenAIServer, OpenAIReply
+from tests.integration.conftest import ANTHROPIC_KEY_ENV, ANTHROPIC_TEST_KEY
+from tests.integration.harness import wait_terminal
+
+PLAN = {
+    "model_ids": ["claude", "claude", "claude"],
+    "subtasks": ["Plan how to answer.", "Carry out the plan.", "Check the answer against the plan."],
+    "access_lists": [[], [0], [0, 1]],
+}
+ANSWERS = ["First list the facts, then weigh them, then answer in two sentences.",
+           "The facts point one way: the answer is yes, for the two reasons the plan names.",
+           "Checked: the answer follows the plan."]
+PRICE = {"input_per_mtok": 3.0, "cached_input_per_mtok": 0.3, "output_per_mtok": 15.0}  # write: 1.25 x input
+
+
+def planner(body: Any) -> OpenAIReply:
+    return OpenAIReply(text=json.dumps(PLAN), input_tokens=100, output_tokens=30)
+
+
+def worker_reply(srv: FakeAnthropicServer) -> Any:
+    def reply(body: Any) -> Reply:
+        subtask = srv.last_message_text(body)
+        return ok(ANSWERS[PLAN["subtasks"].index(subtask)], output_tokens=10)
+    return reply
+
+
+def words(messages: list[dict[str, str]]) -> int:
+    return sum(count_words(m["content"]) for m in messages if m["content"].strip())
+
+
+def test_later_steps_read_the_prefixes_earlier_steps_wrote(client: httpx.Client, pools_dir: Path) -> None:
+    with FakeOpenAIServer(reply=planner) as plans, \
+            FakeAnthropicServer(api_key=ANTHROPIC_TEST_KEY, prompt_cache_min_tokens=10) as claude:
+        claude.reply_with(worker_reply(claude))
+        pool = {"planner": "planner", "fallback": "template:single", "agents": {
+            "planner": {"provider": "openai_compatible", "model": "conductor", "base_url": plans.base_url},
+            "claude": {"provider": "anthropic", "model": "claude-test", "base_url": claude.base_url,
+                       "api_key_env": ANTHROPIC_KEY_ENV, "price": PRICE}}}
+        (pools_dir / "prompt-cache.yaml").write_text(yaml.safe_dump(pool))
+        created = client.post("/v1/jobs", json={"task": "Is it wise to sleep before an exam rather than study?",
+                                                "pool": "prompt-cache"})
+        assert created.status_code == 202, created.text
+        job = wait_terminal(client, created.json()["id"])
+        bodies = claude.bodies
+    assert job["status"] == "succeeded", job
+    steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
+    assert [s["output"] for s in steps] == ANSWERS
+
+    system = words(steps[0]["messages"][:1])
+    plan_turn = words(steps[1]["messages"][1:3])
+    # (read, written) per step: the plan writes the system prefix it shares with both later steps; execute
+    # reads it and writes its view of the plan, which verify shares; verify reads both and writes nothing
+    expected = [(0, system), (system, plan_turn), (system + plan_turn, 0)]
+    for step, (read, written), body in zip(steps, expected, bodies, strict=True):
+        prompt = words(step["messages"])
+        usage = step["usage"]
+        assert (usage["input_tokens"], usage["cached_input_tokens"]) == (prompt, read), step
+        cost = ((prompt - read - written) * 3.0 + read * 0.3 + written * 3.75 + 10 * 15.0) / 1e6
+        assert usage["cost_usd"] == pytest.approx(cost, abs=1e-8), step
+        # the markers the worker sent: the system block, and from the second step on the plan's answer
+        marked = [text for _, text, mark in _blocks(body) if mark]
+        assert marked == [step["messages"][0]["content"], *([ANSWERS[0]] if step["index"] else [])]
+    assert job["usage"]["cached_input_tokens"] == 2 * system + plan_turn

@@ -1,0 +1,176 @@
+"""Prompt caching on request (Anthropic): where a step's messages end a prefix another step of its job on the
+same agent sends (``context.cache_points``), how those points become ``cache_control`` markers, and what
+the cache's reads and writes cost. The loopback server models Anthropic's cache by its documented rules, so
+a later call reads only what an earlier call's markers wrote."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from conductor.budget import Spent, allowed_output_tokens, step_reservation
+from conductor.context import cache_points, worker_messages
+from conductor.pool.anthropic_provider import AnthropicProvider
+from conductor.pool.base import CallOptions, Completion, Message
+from conductor.pool.chat_turns import to_conversation
+from conductor.pool.config import AgentConfig, PoolConfig, Price
+from conductor.pool.errors import ConfigError
+from conductor.pool.registry import build_provider, caches_on_request
+from tests.fakes.anthropic_server import FakeAnthropicServer, _blocks
+from tests.fakes.http_base import count_words
+
+KEY_ENV = "CONDUCTOR_TEST_ANTHROPIC_KEY"
+TASK = "Summarise the findings of the three attached studies on sleep and memory for a general reader."
+PEV = [[], [0], [0, 1]]  # plan, execute (sees the plan), verify (sees both)
+ANSWERS = ["Plan: read each study, list its finding, then compare them in plain words.",
+           "The studies agree that sleep after learning helps memory, most of all deep sleep.",
+           "Verified: the summary matches the plan and the studies."]
+
+
+def points_of(index: int, lists: list[list[int]], inherited: int = 0) -> tuple[int, ...]:
+    return cache_points(access_list=lists[index], peers=[a for i, a in enumerate(lists) if i != index],
+                        inherited=inherited)
+
+
+def test_each_step_marks_the_prefixes_it_shares_with_another_step() -> None:
+    # 0 is the system message; after k shared steps the prefix ends at message 2k
+    assert [points_of(i, PEV) for i in range(3)] == [(0,), (0, 2), (0, 2)]
+    # three proposers and an aggregator: the proposers share the system message, the aggregator too
+    moa = [[], [], [], [0, 1, 2]]
+    assert [points_of(i, moa) for i in range(4)] == [(0,), (0,), (0,), (0,)]
+    # a child job's inherited context is part of every prefix; access lists count in step order
+    assert points_of(0, [[2, 0], [0, 2, 3]], inherited=3) == (7,)
+
+
+def test_a_step_no_other_step_shares_with_marks_nothing_and_at_most_four_points_are_kept() -> None:
+    assert cache_points(access_list=[0, 1], peers=[], inherited=0) == ()
+    peers = [[], [0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    assert cache_points(access_list=[0, 1, 2, 3, 4], peers=peers, inherited=0) == (2, 4, 6, 8)  # the longest
+
+
+def test_a_point_is_kept_only_where_a_turn_or_the_system_text_ends() -> None:
+    plain = [Message("system", "S"), Message("user", "u0"), Message("assistant", "a0"), Message("user", "u1")]
+    conversation = to_conversation(plain)
+    assert [conversation.ending_at(p, plain) for p in range(4)] == [-1, 0, 1, 2]
+    # an earlier step that answered nothing: its subtask merges with the next user turn, no prefix ends there
+    blank = [Message("system", "S"), Message("user", "u0"), Message("assistant", " "), Message("user", "u1")]
+    assert to_conversation(blank).ending_at(2, blank) is None
+    # inherited context ending with a user turn merges with the first subtask
+    inherited = [Message("system", "S"), Message("user", "ctx"), Message("user", "u0")]
+    assert to_conversation(inherited).ending_at(1, inherited) is None
+    # a system message further on joins the system text: the system prefix is not what it would be alone
+    late = [Message("system", "S"), Message("user", "u0"), Message("system", "T"), Message("user", "u1")]
+    assert to_conversation(late).ending_at(0, late) is None
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAnthropicServer]:
+    monkeypatch.setenv(KEY_ENV, "sk-ant-test")
+    with FakeAnthropicServer(prompt_cache_min_tokens=10) as srv:
+        yield srv
+
+
+def claude(srv: FakeAnthropicServer, **options: object) -> AnthropicProvider:
+    config = AgentConfig.model_validate({"provider": "anthropic", "model": "claude-test", "base_url": srv.base_url,
+                                         "api_key_env": KEY_ENV, "options": options})
+    provider = build_provider("claude", config)
+    assert isinstance(provider, AnthropicProvider)
+    return provider
+
+
+def run_pev(provider: AnthropicProvider) -> list[Completion]:
+    """The three steps of a pev workflow one after another, each with its messages and points."""
+    completions = []
+    for i, access in enumerate(PEV):
+        visible = [(f"subtask {d}", ANSWERS[d]) for d in access]
+        messages = worker_messages(task=TASK, visible=visible, instruction=f"subtask {i}")
+        completions.append(provider.complete(messages, CallOptions(cache_points=points_of(i, PEV))))
+    return completions
+
+
+def words(*texts: str) -> int:
+    return sum(count_words(t) for t in texts)
+
+
+def test_a_later_step_reads_the_prefix_an_earlier_step_wrote(server: FakeAnthropicServer) -> None:
+    plan, execute, verify = run_pev(claude(server))
+
+    system = words(worker_messages(task=TASK, visible=[], instruction="x")[0].content)
+    turn0 = words("subtask 0", ANSWERS[0])
+    # the plan writes the system prefix; execute reads it and writes the plan's turn after it; verify reads both
+    assert (plan.cached_input_tokens, plan.cache_write_tokens) == (0, system)
+    assert (execute.cached_input_tokens, execute.cache_write_tokens) == (system, turn0)
+    assert (verify.cached_input_tokens, verify.cache_write_tokens) == (system + turn0, 0)
+    # input_tokens stays every prompt token
+    assert verify.input_tokens == system + turn0 + words("subtask 1", ANSWERS[1], "subtask 2")
+    # the markers sit where the points say: the system block, then the plan's answer
+    marked = [[text for _, text, mark in _blocks(body) if mark] for body in server.bodies]
+    assert marked[0] == [worker_messages(task=TASK, visible=[], instruction="x")[0].content]
+    assert marked[1] == marked[2] == [marked[0][0], ANSWERS[0]]
+
+
+def test_with_prompt_cache_off_nothing_is_marked_or_read(server: FakeAnthropicServer) -> None:
+    completions = run_pev(claude(server, prompt_cache=False))
+
+    assert [(c.cached_input_tokens, c.cache_write_tokens) for c in completions] == [(0, 0)] * 3
+    assert all(isinstance(m["content"], str) for body in server.bodies for m in body["messages"])
+    assert all(isinstance(body["system"], str) for body in server.bodies)
+
+
+def test_a_call_without_points_sends_plain_strings(server: FakeAnthropicServer) -> None:
+    messages = worker_messages(task=TASK, visible=[], instruction="subtask 0")
+    claude(server).complete(messages, CallOptions())
+
+    (body,) = server.bodies
+    assert isinstance(body["system"], str) and isinstance(body["messages"][0]["content"], str)
+
+
+def test_the_fake_refuses_more_markers_than_the_api_allows(server: FakeAnthropicServer) -> None:
+    # the four-point cap above would pass vacuously if the fake took any number of markers
+    block = {"type": "text", "text": "t", "cache_control": {"type": "ephemeral"}}
+    body = {"messages": [{"role": "user", "content": [block] * 5}]}
+    assert "maximum of 4" in (server.invalid(body) or "")
+    assert server.invalid({"messages": [{"role": "user", "content": [block] * 4}]}) is None
+
+
+def test_prompt_cache_is_a_strict_boolean_and_only_anthropic_agents_cache_on_request() -> None:
+    with pytest.raises(ConfigError, match="prompt_cache"):
+        build_provider("claude", AgentConfig(provider="anthropic", model="m", options={"prompt_cache": "no"}))
+    assert caches_on_request(AgentConfig(provider="anthropic", model="m"))
+    assert not caches_on_request(AgentConfig(provider="anthropic", model="m", options={"prompt_cache": False}))
+    assert not caches_on_request(AgentConfig(provider="openai", model="m"))
+
+
+def test_cache_writes_cost_their_own_price_by_default_a_quarter_above_the_input() -> None:
+    price = Price(input_per_mtok=3.0, output_per_mtok=15.0, cached_input_per_mtok=0.3)
+    # 1,000 prompt tokens: 600 read, 300 written, 100 plain; 10 out
+    assert price.cost(1000, 10, 600, 300) == pytest.approx((100 * 3.0 + 300 * 3.75 + 600 * 0.3 + 10 * 15) / 1e6)
+    explicit = price.model_copy(update={"cache_write_per_mtok": 6.0})
+    assert explicit.cost(1000, 10, 600, 300) == pytest.approx((100 * 3.0 + 300 * 6.0 + 600 * 0.3 + 10 * 15) / 1e6)
+    # never more writes and reads than prompt tokens
+    assert price.cost(100, 0, 80, 80) == pytest.approx((80 * 0.3 + 20 * 3.75) / 1e6)
+
+
+def test_an_unset_write_price_stays_out_of_a_pool_snapshot() -> None:
+    # a job's pool snapshot is read by every worker of a rolling deploy; an older one refuses unknown keys
+    pool = PoolConfig.model_validate({"agents": {"c": {"provider": "anthropic", "model": "m",
+                                                       "price": {"input_per_mtok": 3.0}}}})
+    assert pool.model_dump()["agents"]["c"]["price"] == {"input_per_mtok": 3.0, "output_per_mtok": 0.0}
+    pool.agents["c"].price.cache_write_per_mtok = 3.75
+    assert pool.model_dump()["agents"]["c"]["price"]["cache_write_per_mtok"] == 3.75
+
+
+def test_a_step_that_may_write_the_cache_reserves_its_prompt_at_the_write_price() -> None:
+    price = Price(input_per_mtok=4.0, output_per_mtok=8.0)
+    limits = {"max_cost_usd": 1.0}
+    plain = step_reservation(limits, prompt_tokens=1000, max_tokens=100, price=price)
+    writing = step_reservation(limits, prompt_tokens=1000, max_tokens=100, price=price, cache_writes=True)
+    assert plain.cost_usd == pytest.approx((1000 * 4.0 + 100 * 8.0) / 1e6)
+    assert writing.cost_usd == pytest.approx((1000 * 5.0 + 100 * 8.0) / 1e6)
+    # what is left for the output shrinks by the same quarter of the prompt's price
+    spent = Spent(tokens=0, cost_usd=0.0)
+    tight = {"max_cost_usd": (1000 * 5.0 + 50 * 8.0) / 1e6}
+    assert allowed_output_tokens(tight, spent, prompt_tokens=1000, max_tokens=4096, price=price,
+                                 cache_writes=True) == 50
+    assert allowed_output_tokens(tight, spent, prompt_tokens=1000, max_tokens=4096, price=price) == 175
