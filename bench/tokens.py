@@ -15,6 +15,13 @@ answer. Template workflows (pev, MoA) need no planning call.
 
 No model runs: every answer is a fixed synthetic text of ``--answer-tokens`` tokens, so the figures
 compare context policies, not answer lengths (a real run's answers vary per agent).
+
+With Anthropic's prompt cache: each workflow runs again on one ``anthropic`` agent, through the real provider
+and SDK, against the loopback Anthropic server that models the cache by its documented rules
+(``tests/fakes/anthropic_server.py``: prefixes of at least ``--cache-min-tokens`` tokens, counted with the
+same BPE; a workflow's parallel steps, sent together, read none of each other's writes). Each step carries
+the cache points the engine gives it (``conductor.context.cache_points``). What the cache saves is the input
+price: reads cost 0.1 times it, writes 1.25 times, Anthropic's 5-minute rates.
 """
 
 from __future__ import annotations
@@ -52,8 +59,63 @@ WORKFLOWS: dict[str, list[list[int]]] = {
 MOA = ("moa 3+1", "moa 3x2+1", "moa 4x2+1")
 
 
+READ_RATE, WRITE_RATE = 0.1, 1.25
+"""Anthropic's prices of a cache read and a 5-minute cache write, relative to an input token."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-tokens", type=int, default=300)
+    p.add_argument("--cache-min-tokens", type=int, default=1024,
+                   help="the shortest prefix Anthropic caches (1,024 for Sonnet and Opus, more for Haiku)")
+
+
+def waves(deps: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The steps in the order a workflow runs them: each wave starts when the steps it sees have ended."""
+    level: list[int] = []
+    for ds in deps:
+        level.append(1 + max((level[d] for d in ds), default=-1))
+    return [[i for i, lv in enumerate(level) if lv == w] for w in range(max(level) + 1)]
+
+
+def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int],
+                      min_tokens: int) -> dict[str, dict[str, float]]:
+    """Per workflow, mean per task: the input tokens the steps sent, of them read from and written to the
+    cache, and the input's price relative to no cache."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conductor.context import cache_points
+    from conductor.pool.base import CallOptions
+    from conductor.pool.config import AgentConfig
+    from conductor.pool.registry import build_provider
+    from tests.fakes.anthropic_server import FakeAnthropicServer
+    from tests.fakes.http_base import Reply
+
+    os.environ.setdefault("CONDUCTOR_BENCH_ANTHROPIC_KEY", "sk-ant-loopback")
+    out: dict[str, dict[str, float]] = {}
+    with FakeAnthropicServer(lambda _body: Reply(text=answer), prompt_cache_min_tokens=min_tokens,
+                             count=n) as srv, ThreadPoolExecutor(max_workers=8) as pool:
+        provider = build_provider("claude", AgentConfig(provider="anthropic", model="claude-bench",
+                                                        base_url=srv.base_url,
+                                                        api_key_env="CONDUCTOR_BENCH_ANTHROPIC_KEY"))
+        for wf, deps in WORKFLOWS.items():
+            sent = read = written = 0
+            for task in tasks:
+                def call(i: int, task: str = task, deps: Sequence[Sequence[int]] = deps) -> tuple[int, int, int]:
+                    visible = [(f"subtask {d}", answer) for d in sorted(deps[i])]
+                    messages = worker_messages(task=task, visible=visible, instruction=f"subtask {i}")
+                    points = cache_points(i, [("claude", d) for d in deps], inherited=0)
+                    c = provider.complete(messages, CallOptions(cache_points=points))
+                    return c.input_tokens, c.cached_input_tokens, c.cache_write_tokens
+
+                for wave in waves(deps):
+                    with srv.held_writes():
+                        for tokens, hit, wrote in pool.map(call, wave):
+                            sent, read, written = sent + tokens, read + hit, written + wrote
+            price = (sent - read - written) + READ_RATE * read + WRITE_RATE * written
+            out[wf] = {"input_tokens": sent / len(tasks), "read": read / len(tasks),
+                       "written": written / len(tasks), "input_price_vs_no_cache": price / sent}
+    return out
 
 
 def encoder() -> tuple[str, Callable[[str], int]]:
@@ -125,7 +187,15 @@ def run(args: argparse.Namespace) -> Result:
            + "; against one step with the planning call that wrote it (research pool): "
            + ", ".join(f"{wf} {data[wf]['vs_one_step_planned']:.2f}x" for wf in MOA)
            + ". MoA 4x2+1 is togethercomputer/MoA's `advanced-moa.py` (`layers = 3`, 4 reference models).")
+    cached = with_prompt_cache(tasks, answer, n, args.cache_min_tokens)
+    md += ("\n\nWith Anthropic's prompt cache (each workflow on one `anthropic` agent, through the SDK, against the "
+           f"loopback server's model of the cache: prefixes of at least {args.cache_min_tokens} tokens, reads at "
+           f"{READ_RATE}x and writes at {WRITE_RATE}x the input price):\n\n")
+    md += table(["workflow", "input tokens", "read from the cache", "written to it", "input price vs no cache"],
+                [[wf, round(c["input_tokens"]), round(c["read"]), round(c["written"]),
+                  f"{c['input_price_vs_no_cache']:.2f}x"] for wf, c in cached.items()])
     cmd = "python -m bench tokens --quick" if args.quick else \
-        f"python -m bench tokens --answer-tokens {args.answer_tokens}"
-    data_out = {"encoder": name, "answer_tokens": n(answer), "tasks": len(tasks), "workflows": data}
+        f"python -m bench tokens --answer-tokens {args.answer_tokens} --cache-min-tokens {args.cache_min_tokens}"
+    data_out = {"encoder": name, "answer_tokens": n(answer), "tasks": len(tasks), "workflows": data,
+                "prompt_cache": {"min_tokens": args.cache_min_tokens, "workflows": cached}}
     return Result("tokens", cmd, data_out, md)

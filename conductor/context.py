@@ -41,25 +41,44 @@ MAX_CACHE_POINTS = 4
 """Anthropic's limit on prompt-cache breakpoints per request."""
 
 
-def cache_points(*, access_list: Sequence[int], peers: Sequence[Sequence[int]], inherited: int) -> tuple[int, ...]:
-    """Where this step's messages (``worker_messages``) end a prefix another step of its job on the same
-    agent sends too: the indices of those prefixes' last messages, ascending, at most ``MAX_CACHE_POINTS``
-    (the longest kept).
+def cache_points(index: int, workflow: Sequence[tuple[str, Sequence[int]]], *, inherited: int) -> tuple[int, ...]:
+    """Where step ``index``'s messages (``worker_messages``) end a prefix another step of its job on the same
+    agent sends too, and runs before or after it: the indices of those prefixes' last messages, ascending, at
+    most ``MAX_CACHE_POINTS`` (the longest kept). ``workflow``: every step's (agent, access list), by index.
 
     Two steps' messages agree up to the system message, the ``inherited`` context and the turns of the steps
     their access lists (in step order) start with in common: after ``k`` such steps the prefix ends at message
     ``inherited + 2k`` (0 is the system message). A provider that caches prompt prefixes on request
-    (Anthropic) is asked to cache exactly these, so whichever of the two runs later reads what the earlier one
-    wrote; a prefix no other step sends is never marked (a cache write costs more than plain input)."""
-    mine = sorted(access_list)
+    (Anthropic) is asked to cache exactly these, so the later of the two reads what the earlier wrote. A
+    prefix shared only with steps that may run at the same time (neither sees the other, even through other
+    steps) is not marked: calls sent together read none of each other's writes, and a write costs more than
+    plain input."""
+    agent, mine = workflow[index][0], sorted(workflow[index][1])
+    earlier = _ancestors(index, workflow)
     points: set[int] = set()
-    for peer in peers:
-        theirs = sorted(peer)
+    for other, (other_agent, access) in enumerate(workflow):
+        if other == index or other_agent != agent:
+            continue
+        if other not in earlier and index not in _ancestors(other, workflow):
+            continue  # they may run at the same time
+        theirs = sorted(access)
         shared = 0
         while shared < min(len(mine), len(theirs)) and mine[shared] == theirs[shared]:
             shared += 1
         points.add(inherited + 2 * shared)
     return tuple(sorted(points)[-MAX_CACHE_POINTS:])
+
+
+def _ancestors(index: int, workflow: Sequence[tuple[str, Sequence[int]]]) -> set[int]:
+    """The steps that end before step ``index`` starts: those it sees, and those they see, transitively."""
+    found: set[int] = set()
+    todo = list(workflow[index][1])
+    while todo:
+        step = todo.pop()
+        if step not in found and 0 <= step < len(workflow):
+            found.add(step)
+            todo.extend(workflow[step][1])
+    return found
 
 
 def turns_as_messages(turns: Sequence[tuple[str, str]]) -> list[Message]:

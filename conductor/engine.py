@@ -280,8 +280,7 @@ def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], roots
             step_input = store.StepInput(
                 JobStatus.RUNNING, job.task, job.context, limits, job.pool_config or {}, job.created_at, tokens, cost,
                 row["agent"], row["instruction"], list(row["access_list"]), job.tenant, unstarted, visible,
-                answers=i == len(rows) - 1,
-                peers=[list(r["access_list"]) for j, r in enumerate(rows) if j != i and r["agent"] == row["agent"]])
+                answers=i == len(rows) - 1, index=i, workflow=[(r["agent"], list(r["access_list"])) for r in rows])
             rendered = _render(step_input, job.id, now)
             owner = _owner(take.worker if not claims else take.beside or take.worker)
             row.update(status=StepStatus.RUNNING, lease_owner=owner, started_at=now, celery_task_id=take.task_id,
@@ -544,8 +543,8 @@ def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
         else:
             config = _pool(job_id, row.pool_config).agents[row.agent]
             values.update(provider=config.provider, model=config.model or f"sim-{row.agent}")
-            if row.peers and caches_on_request(config):
-                points = cache_points(access_list=row.access_list, peers=row.peers, inherited=len(inherited))
+            if caches_on_request(config) and 0 <= row.index < len(row.workflow):
+                points = cache_points(row.index, row.workflow, inherited=len(inherited))
             prompt_tokens = sum(estimate_tokens(m.content) for m in messages)
             max_tokens = allowed_output_tokens(
                 row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=_step_cap(row, config), price=config.price,

@@ -71,22 +71,23 @@ def the_read_returns_what_the_separate_outputs_query_returns() -> None:
     assert first is not None and first.visible == [] and first.access_list == []
 
 
-def the_read_returns_the_access_lists_of_the_jobs_other_steps_on_its_agent() -> None:
-    """``StepInput.peers`` (where prompt prefixes are shared: ``context.cache_points``): folded into the read
-    on Postgres, a query of its own on SQLite; never the step itself nor a step on another agent."""
+def the_read_returns_every_steps_agent_and_access_list() -> None:
+    """``StepInput.workflow`` (where prompt prefixes are shared: ``context.cache_points``): folded into the
+    read on Postgres, a query of its own on SQLite; by index."""
     with session_scope() as s:
-        job, _ = create_job(s, JobCreate.model_validate({"task": "peers", "workflow": {
+        job, _ = create_job(s, JobCreate.model_validate({"task": "workflow", "workflow": {
             "model_ids": ["a", "b", "a", "a"], "subtasks": ["p0", "p1", "p2", "p3"],
             "access_lists": [[], [], [0], [1, 0, 2]]}}), tenant="trips", settings=get_settings())
     plan_job(job.id, settings=get_settings())
 
-    def read(s: Any, index: int) -> list[list[int]]:
+    def read(s: Any, index: int) -> tuple[int, list[tuple[str, list[int]]]]:
         row = store.read_step_input(s, job_id=job.id, index=index)
         assert row is not None
-        return sorted(sorted(peer) for peer in row.peers)
+        return row.index, [(agent, sorted(access)) for agent, access in row.workflow]
 
-    assert transaction(lambda s: read(s, 2)) == [[], [0, 1, 2]]
-    assert transaction(lambda s: read(s, 1)) == []
+    expected = [("a", []), ("b", []), ("a", [0]), ("a", [0, 1, 2])]
+    assert transaction(lambda s: read(s, 2)) == (2, expected)
+    assert transaction(lambda s: read(s, 1)) == (1, expected)
 
 
 def the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones() -> None:
@@ -491,7 +492,7 @@ def a_child_cancelled_while_planning_carries_its_planner_usage_to_its_parent() -
 
 CASES = (
     the_read_returns_what_the_separate_outputs_query_returns,
-    the_read_returns_the_access_lists_of_the_jobs_other_steps_on_its_agent,
+    the_read_returns_every_steps_agent_and_access_list,
     the_claim_opens_no_attempt_at_the_cap_and_keeps_its_own_when_closing_lost_ones,
     recording_closes_the_attempt_only_if_still_open,
     recording_returns_the_heads_with_this_step_as_recorded,

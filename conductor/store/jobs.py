@@ -763,8 +763,9 @@ class StepInput:
     """The job is batch work (``batch_work_of``): a child job it starts is too."""
     answers: bool = False
     """This is the job's last step: its output is the job's answer (``limits.max_answer_tokens`` caps it)."""
-    peers: list[list[int]] = field(default_factory=list)
-    """The access lists of the job's other steps on this step's agent (``context.cache_points``)."""
+    index: int = 0
+    workflow: list[tuple[str, list[int]]] = field(default_factory=list)
+    """Every step's (agent, access list), by index: where prompt prefixes are shared (``context.cache_points``)."""
 
 
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
@@ -779,13 +780,13 @@ def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput |
     access_list = list(row[10] or [])
     if direct.postgres:
         visible = [(subtask, answer or "") for subtask, answer in row[15] or []]
-        peers = [list(peer) for peer in row[16] or []]
+        workflow = [(str(agent), list(access or [])) for agent, access in row[16] or []]
     else:
         visible = visible_outputs(session, job_id=job_id, indices=access_list)
-        peers = peer_access_lists(session, job_id=job_id, index=index, agent=row[8])
+        workflow = workflow_of(session, job_id=job_id)
     return StepInput(row[0], row[1], row[2], row[3] or {}, row[4] or {}, row[5], int(row[6]), float(row[7]),
                      row[8], row[9], access_list, row[11], int(row[12]), visible, bool(row[13]),
-                     answers=row[14] == index, peers=peers)
+                     answers=row[14] == index, index=index, workflow=workflow)
 
 
 @cache
@@ -823,10 +824,11 @@ def _read_step_input_stmt(with_visible: bool) -> sa.Select[Any]:
                    st.c.access_list.op("@>", return_type=sa.Boolean)(sa.func.jsonb_build_array(seen.c.index)))
             .scalar_subquery()
         )
-        peer = STEP.alias("peer")  # the access lists of the job's other steps on this step's agent
+        step = STEP.alias("plan")  # [[agent, access_list], …] of every step, by index
         columns.append(
-            sa.select(sa.func.jsonb_agg(peer.c.access_list, type_=JSONB))
-            .where(peer.c.job_id == job_id, peer.c.index != st.c.index, peer.c.agent == st.c.agent)
+            sa.select(sa.func.jsonb_agg(aggregate_order_by(sa.func.jsonb_build_array(step.c.agent, step.c.access_list),
+                                                           step.c.index), type_=JSONB))
+            .where(step.c.job_id == job_id)
             .scalar_subquery()
         )
     return (
@@ -844,13 +846,12 @@ def visible_outputs(session: Session, *, job_id: str, indices: Sequence[int]) ->
     return [(r[0], r[1] or "") for r in rows]
 
 
-def peer_access_lists(session: Session, *, job_id: str, index: int, agent: str) -> list[list[int]]:
-    """The access lists of the job's other steps on ``agent`` (``StepInput.peers``), where one statement
-    cannot aggregate them."""
+def workflow_of(session: Session, *, job_id: str) -> list[tuple[str, list[int]]]:
+    """Every step's (agent, access list), by index (``StepInput.workflow``), where one statement cannot
+    aggregate them."""
     st = STEP
-    rows = session.execute(sa.select(st.c.access_list).where(st.c.job_id == job_id, st.c.index != index,
-                                                             st.c.agent == agent))
-    return [list(r[0] or []) for r in rows]
+    rows = session.execute(sa.select(st.c.agent, st.c.access_list).where(st.c.job_id == job_id).order_by(st.c.index))
+    return [(r[0], list(r[1] or [])) for r in rows]
 
 
 @cache

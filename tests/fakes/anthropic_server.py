@@ -8,7 +8,10 @@ block marked ``cache_control`` writes the prefix up to it (system blocks, then e
 order; the markers are not part of the prefix) when it holds at least N tokens; a request reads the longest
 prefix written before that ends at a block boundary at or before one of its markers, at most 20 blocks
 before it; the tokens between what it read and its last marker are written, the rest are ``input_tokens``.
-More than 4 markers are refused, as the API does. Tokens are the fakes' word counts.
+More than 4 markers are refused, as the API does. Tokens are the fakes' word counts, or what ``count``
+returns. Inside ``held_writes()`` a request's writes are readable only after the block ends: calls sent
+together (a workflow's parallel steps) do not read each other's, as Anthropic's cache is readable only once
+a response has begun.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import hashlib
 import json
 import re
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,17 +89,31 @@ def _blocks(body: dict[str, Any]) -> list[tuple[str, str, bool]]:
 class FakeAnthropicServer(FakeProviderServer):
     route = re.compile(r"^/v1/messages$")
 
-    def __init__(self, *args: Any, prompt_cache_min_tokens: int | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, prompt_cache_min_tokens: int | None = None,
+                 count: Callable[[str], int] = count_words, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.prompt_cache_min_tokens = prompt_cache_min_tokens
+        self.count = count
         self._cache: set[str] = set()
+        self._held: set[str] | None = None
         self._cache_lock = threading.Lock()
+
+    @contextmanager
+    def held_writes(self) -> Iterator[None]:
+        with self._cache_lock:
+            self._held = set()
+        try:
+            yield
+        finally:
+            with self._cache_lock:
+                self._cache |= self._held or set()
+                self._held = None
 
     def _cached_usage(self, body: dict[str, Any]) -> dict[str, int]:
         """Reads, writes and the rest of the prompt, by the module docstring's rules."""
         assert self.prompt_cache_min_tokens is not None
         blocks = _blocks(body)
-        sizes = [count_words(text) if text.strip() else 0 for _, text, _ in blocks]
+        sizes = [self.count(text) if text.strip() else 0 for _, text, _ in blocks]
         keys, digest = [], hashlib.sha256()
         for role, text, _ in blocks:
             digest.update(json.dumps([role, text]).encode())
@@ -112,7 +131,7 @@ class FakeAnthropicServer(FakeProviderServer):
             written = 0
             for mark in marks:
                 if mark > read_to and sum(sizes[:mark + 1]) >= self.prompt_cache_min_tokens:
-                    self._cache.add(keys[mark])
+                    (self._cache if self._held is None else self._held).add(keys[mark])
                     written = sum(sizes[:mark + 1]) - read
         return {"input_tokens": total - read - written, "cache_read_input_tokens": read,
                 "cache_creation_input_tokens": written}
@@ -125,7 +144,7 @@ class FakeAnthropicServer(FakeProviderServer):
             cached = self._cached_usage(body)
             input_tokens = cached.pop("input_tokens")
         if input_tokens is None:
-            input_tokens = sum(count_words(t) for _, t, _ in _blocks(body) if t.strip())
+            input_tokens = sum(self.count(t) for _, t, _ in _blocks(body) if t.strip())
         usage: dict[str, Any] = {
             "input_tokens": input_tokens,
             "output_tokens": reply.output_tokens if reply.output_tokens is not None else count_words(text),

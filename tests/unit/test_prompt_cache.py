@@ -28,25 +28,43 @@ ANSWERS = ["Plan: read each study, list its finding, then compare them in plain 
            "Verified: the summary matches the plan and the studies."]
 
 
-def points_of(index: int, lists: list[list[int]], inherited: int = 0) -> tuple[int, ...]:
-    return cache_points(access_list=lists[index], peers=[a for i, a in enumerate(lists) if i != index],
-                        inherited=inherited)
+def points_of(index: int, lists: list[list[int]], inherited: int = 0, agents: str = "") -> tuple[int, ...]:
+    workflow = [(agents[i] if agents else "c", access) for i, access in enumerate(lists)]
+    return cache_points(index, workflow, inherited=inherited)
 
 
-def test_each_step_marks_the_prefixes_it_shares_with_another_step() -> None:
+def test_each_step_marks_the_prefixes_it_shares_with_a_step_before_or_after_it() -> None:
     # 0 is the system message; after k shared steps the prefix ends at message 2k
     assert [points_of(i, PEV) for i in range(3)] == [(0,), (0, 2), (0, 2)]
-    # three proposers and an aggregator: the proposers share the system message, the aggregator too
+    # three proposers and an aggregator: each proposer shares the system message with the aggregator
     moa = [[], [], [], [0, 1, 2]]
     assert [points_of(i, moa) for i in range(4)] == [(0,), (0,), (0,), (0,)]
     # a child job's inherited context is part of every prefix; access lists count in step order
-    assert points_of(0, [[2, 0], [0, 2, 3]], inherited=3) == (7,)
+    assert points_of(2, [[], [], [1, 0], [0, 1, 2]], inherited=3) == (3, 7)
+
+
+def test_a_prefix_shared_only_with_steps_that_may_run_at_the_same_time_is_not_marked() -> None:
+    # the published 3-layer MoA: the four second-layer proposers all see the four first answers, and run
+    # together; none can read what another writes, so their long shared prefix is not marked (each would pay
+    # the write price for nothing); each marks the system message, which the aggregator after them sends
+    moa = [[], [], [], [], *[[0, 1, 2, 3]] * 4, [4, 5, 6, 7]]
+    assert [points_of(i, moa) for i in range(4, 8)] == [(0,)] * 4
+    # two steps that see nothing, nor each other: nothing to mark
+    assert points_of(0, [[], []]) == ()
+
+
+def test_a_step_before_another_through_a_step_on_another_agent_still_counts() -> None:
+    # 0 (agent c) -> 1 (agent d) -> 2 (agent c): 2 sees only 1, yet runs after 0, so both mark the system
+    assert points_of(0, [[], [0], [1]], agents="cdc") == (0,)
+    assert points_of(2, [[], [0], [1]], agents="cdc") == (0,)
+    # and the step on the other agent marks nothing: no other step of its agent
+    assert points_of(1, [[], [0], [1]], agents="cdc") == ()
 
 
 def test_a_step_no_other_step_shares_with_marks_nothing_and_at_most_four_points_are_kept() -> None:
-    assert cache_points(access_list=[0, 1], peers=[], inherited=0) == ()
-    peers = [[], [0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
-    assert cache_points(access_list=[0, 1, 2, 3, 4], peers=peers, inherited=0) == (2, 4, 6, 8)  # the longest
+    assert points_of(1, [[], [0]], agents="cd") == ()
+    chain = [[], [0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    assert points_of(5, chain) == (2, 4, 6, 8)  # the longest four of 0, 2, 4, 6, 8
 
 
 def test_a_point_is_kept_only_where_a_turn_or_the_system_text_ends() -> None:
