@@ -46,10 +46,10 @@ def check_deadline(limits: dict[str, Any], created_at: datetime, now: datetime) 
 
 def allowed_output_tokens(
     limits: dict[str, Any], spent: Spent, *, prompt_tokens: int, max_tokens: int, price: Price,
-    cache_writes: bool = False,
+    cache_write_tokens: int = 0,
 ) -> int:
     """The output tokens this step may use, or BudgetExceeded when the budget has no room for it.
-    ``cache_writes``: the call may write its prompt to the provider's cache, at the write price."""
+    ``cache_write_tokens``: of the prompt, how much the call may write to the provider's cache."""
     allowed = max_tokens
     token_budget = limits.get("max_tokens")
     if token_budget is not None:
@@ -62,7 +62,7 @@ def allowed_output_tokens(
         allowed = min(allowed, left)
     cost_budget = limits.get("max_cost_usd")
     if cost_budget is not None:
-        prompt_usd = _prompt_bound(price, prompt_tokens, 0, cache_writes)
+        prompt_usd = _prompt_bound(price, prompt_tokens, 0, cache_write_tokens)
         left_usd = float(cost_budget) - spent.cost_usd - prompt_usd
         if left_usd <= 0:
             raise BudgetExceeded(
@@ -83,23 +83,23 @@ class Reservation:
 
 
 def step_reservation(limits: dict[str, Any], *, prompt_tokens: int, max_tokens: int, price: Price,
-                     cache_writes: bool = False) -> Reservation:
-    """What a step holds against its job's budgets while it runs: its prompt (all of it at the cache-write
-    price if the call may write it to the provider's cache, ``cache_writes``) and its whole allowance."""
+                     cache_write_tokens: int = 0) -> Reservation:
+    """What a step holds against its job's budgets while it runs: its prompt (the part it may write to the
+    provider's cache, ``cache_write_tokens``, at the write price) and its whole allowance."""
     return Reservation(
         tokens=prompt_tokens + max_tokens if limits.get("max_tokens") is not None else 0,
-        cost_usd=(_prompt_bound(price, prompt_tokens, max_tokens, cache_writes)
+        cost_usd=(_prompt_bound(price, prompt_tokens, max_tokens, cache_write_tokens)
                   if limits.get("max_cost_usd") is not None else 0.0),
     )
 
 
-def _prompt_bound(price: Price, prompt_tokens: int, output_tokens: int, cache_writes: bool) -> float:
-    """The most a call of this prompt and output can cost: with cache writes, each prompt token at the higher
-    of the input and the write price."""
+def _prompt_bound(price: Price, prompt_tokens: int, output_tokens: int, cache_write_tokens: int) -> float:
+    """The most a call of this prompt and output can cost: the tokens it may write to the cache at the higher
+    of the input and the write price, the rest at the input price (a read costs no more than input)."""
     plain = price.cost(prompt_tokens, output_tokens)
-    if not cache_writes:
+    if cache_write_tokens <= 0:
         return plain
-    return max(plain, price.cost(prompt_tokens, output_tokens, cache_write_tokens=prompt_tokens))
+    return max(plain, price.cost(prompt_tokens, output_tokens, cache_write_tokens=cache_write_tokens))
 
 
 def child_reservation(limits: dict[str, Any]) -> Reservation:

@@ -49,24 +49,36 @@ def cache_points(index: int, workflow: Sequence[tuple[str, Sequence[int]]], *, i
     Two steps' messages agree up to the system message, the ``inherited`` context and the turns of the steps
     their access lists (in step order) start with in common: after ``k`` such steps the prefix ends at message
     ``inherited + 2k`` (0 is the system message). A provider that caches prompt prefixes on request
-    (Anthropic) is asked to cache exactly these, so the later of the two reads what the earlier wrote. A
-    prefix shared only with steps that may run at the same time (neither sees the other, even through other
-    steps) is not marked: calls sent together read none of each other's writes, and a write costs more than
-    plain input."""
-    agent, mine = workflow[index][0], sorted(workflow[index][1])
+    (Anthropic) is asked to cache exactly these: a step marks what it shares with a step before it (to read
+    it) and with one after it (to write it for that one). Calls sent together read none of each other's
+    writes, and a write costs more than plain input, so a prefix shared only with steps that may run at the
+    same time (neither sees the other, even through other steps) is not marked, and of several such steps
+    that would each write a prefix for the same later step, only the first (by index) writes it."""
+    sent = [(agent, sorted(access)) for agent, access in workflow]
+    agent = sent[index][0]
     earlier = _ancestors(index, workflow)
     points: set[int] = set()
-    for other, (other_agent, access) in enumerate(workflow):
+    for other, (other_agent, _) in enumerate(sent):
         if other == index or other_agent != agent:
             continue
-        if other not in earlier and index not in _ancestors(other, workflow):
-            continue  # they may run at the same time
-        theirs = sorted(access)
-        shared = 0
-        while shared < min(len(mine), len(theirs)) and mine[shared] == theirs[shared]:
-            shared += 1
-        points.add(inherited + 2 * shared)
+        shared = _shared(sent[index][1], sent[other][1])
+        if other in earlier:
+            points.add(inherited + 2 * shared)  # it wrote this prefix before this step starts
+        elif index in _ancestors(other, workflow) and not any(
+                first < index and sent[first][0] == agent and first not in earlier
+                and index not in _ancestors(first, workflow) and first in _ancestors(other, workflow)
+                and _shared(sent[first][1], sent[other][1]) >= shared
+                for first in range(len(sent))):
+            points.add(inherited + 2 * shared)  # no step running beside this one writes it for that one first
     return tuple(sorted(points)[-MAX_CACHE_POINTS:])
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many steps two sorted access lists start with in common."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _ancestors(index: int, workflow: Sequence[tuple[str, Sequence[int]]]) -> set[int]:

@@ -545,13 +545,16 @@ def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
             values.update(provider=config.provider, model=config.model or f"sim-{row.agent}")
             if caches_on_request(config) and 0 <= row.index < len(row.workflow):
                 points = cache_points(row.index, row.workflow, inherited=len(inherited))
-            prompt_tokens = sum(estimate_tokens(m.content) for m in messages)
+            sizes = [estimate_tokens(m.content) for m in messages]
+            prompt_tokens = sum(sizes)
+            writable = sum(sizes[:points[-1] + 1]) if points else 0  # the prefix up to its last cache point
+            price = config.billing
             max_tokens = allowed_output_tokens(
-                row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=_step_cap(row, config), price=config.price,
-                cache_writes=bool(points),
+                row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=_step_cap(row, config), price=price,
+                cache_write_tokens=writable,
             )
-            held = step_reservation(row.limits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, price=config.price,
-                                    cache_writes=bool(points))
+            held = step_reservation(row.limits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, price=price,
+                                    cache_write_tokens=writable)
             values.update(reserved_usd=held.cost_usd, reserved_tokens=held.tokens)
     except (BudgetExceeded, DeadlineExceeded) as exc:
         refusal = exc
@@ -673,7 +676,7 @@ def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
         "model": c.model,
         "input_tokens": c.input_tokens,
         "output_tokens": c.output_tokens,
-        "cost_usd": config.price.cost(c.input_tokens, c.output_tokens, c.cached_input_tokens, c.cache_write_tokens),
+        "cost_usd": config.billing.cost(c.input_tokens, c.output_tokens, c.cached_input_tokens, c.cache_write_tokens),
         "cached_input_tokens": c.cached_input_tokens,
         "reasoning_tokens": c.reasoning_tokens,
         "latency_ms": c.latency_ms,

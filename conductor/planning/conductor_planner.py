@@ -46,7 +46,7 @@ def plan_with_model(
     the default agent settings and no price.
     """
     agent = pool.agents.get(planner_agent)
-    price = agent.price if agent else Price()
+    price = agent.billing if agent else Price()
     use_schema = provider.supports_json_schema and (agent.structured_output if agent else True)
     options = CallOptions(
         temperature=agent.temperature if agent else DEFAULT_TEMPERATURE,
@@ -117,6 +117,7 @@ def _add_usage(usage: PlannerUsage, completion: Completion, price: Price) -> Non
     usage.output_tokens += completion.output_tokens
     usage.cached_input_tokens += completion.cached_input_tokens
     usage.reasoning_tokens += completion.reasoning_tokens
-    usage.cost_usd += price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens)
+    usage.cost_usd += price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens,
+                                 completion.cache_write_tokens)
     usage.calls += 1
     usage.latency_ms += completion.latency_ms

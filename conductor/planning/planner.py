@@ -105,7 +105,7 @@ def _plan_with_agent(
                        cost_usd=(job.planner_cost_usd or 0.0) + spent.cost_usd)
         prompt = sum(estimate_tokens(m.content) for m in messages)
         return allowed_output_tokens(job.limits or {}, before, prompt_tokens=prompt, max_tokens=cap,
-                                     price=config.price)
+                                     price=config.billing)
 
     while True:
         try:

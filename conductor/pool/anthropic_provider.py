@@ -61,6 +61,8 @@ class AnthropicOptions(BaseModel):
 
 
 _EPHEMERAL = {"type": "ephemeral"}
+MAX_CACHE_MARKERS = 4
+"""The most ``cache_control`` markers a request may carry (the API refuses more): the longest are kept."""
 
 
 def _block(text: str, cached: bool) -> dict[str, Any]:
@@ -95,7 +97,8 @@ class AnthropicProvider(Provider):
         conversation = to_conversation(messages)
         system: Any = conversation.system if conversation.system is not None else anthropic.omit
         turns: list[dict[str, Any]] = [{"role": t.role, "content": t.text} for t in conversation.turns]
-        marks = {conversation.ending_at(p, messages) for p in options.cache_points if p < len(messages)} - {None}
+        ends = {conversation.ending_at(p, messages) for p in options.cache_points if p < len(messages)}
+        marks = set(sorted(end for end in ends if end is not None)[-MAX_CACHE_MARKERS:])
         if self.options.prompt_cache and marks:  # a call with no marker neither reads nor writes the cache
             if conversation.system is not None:
                 system = [_block(conversation.system, -1 in marks)]

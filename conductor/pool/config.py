@@ -35,6 +35,9 @@ class PoolError(ValueError):
 CACHE_WRITE_FACTOR = 1.25
 """A prompt-cache write's price over the input price when the pool gives none: Anthropic's rate for its
 5-minute cache, the one the Anthropic provider asks for (the only provider that reports writes)."""
+ANTHROPIC_CACHE_READ_FACTOR = 0.1
+"""An Anthropic prompt-cache read's price over the input price, for every Claude model: an ``anthropic``
+agent's unset ``cached_input_per_mtok`` (``AgentConfig.billing``). Other providers' rates differ by model."""
 
 
 class Price(BaseModel):
@@ -110,6 +113,16 @@ class AgentConfig(BaseModel):
         if data.get("rpm_bucket") is None:  # a job's pool snapshot stays readable by workers without the field
             data.pop("rpm_bucket", None)
         return data
+
+    @property
+    def billing(self) -> Price:
+        """The prices its calls are costed at: ``price``, with an ``anthropic`` agent's unset cached-input price
+        at Anthropic's rate (``ANTHROPIC_CACHE_READ_FACTOR``); elsewhere an unset one is the input price."""
+        price = self.price
+        if self.provider == "anthropic" and price.cached_input_per_mtok is None:
+            read = price.input_per_mtok * ANTHROPIC_CACHE_READ_FACTOR
+            return price.model_copy(update={"cached_input_per_mtok": read})
+        return price
 
     def bucket(self, name: str) -> str:
         """The rate-limit bucket of this agent, known in its pool as ``name``."""

@@ -181,8 +181,11 @@ class FakeAnthropicServer(FakeProviderServer):
     def invalid(self, body: Any) -> str | None:
         found = body.get("messages") if isinstance(body, dict) else None
         messages: list[Any] = found if isinstance(found, list) else []
-        if isinstance(body, dict) and sum(marked for _, _, marked in _blocks(body)) > MAX_CACHE_MARKERS:
+        blocks = _blocks(body) if isinstance(body, dict) else []
+        if sum(marked for _, _, marked in blocks) > MAX_CACHE_MARKERS:
             return f"A maximum of {MAX_CACHE_MARKERS} blocks with cache_control may be provided."
+        if any(marked and not text for _, text, marked in blocks):
+            return "cache_control cannot be set for empty text blocks"
         for i, message in enumerate(messages):
             final_assistant = i == len(messages) - 1 and message.get("role") == "assistant"
             texts = [t for _, t, _ in _blocks({"messages": [message]})]

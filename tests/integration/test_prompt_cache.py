@@ -27,7 +27,7 @@ PLAN = {
 ANSWERS = ["First list the facts, then weigh them, then answer in two sentences.",
            "The facts point one way: the answer is yes, for the two reasons the plan names.",
            "Checked: the answer follows the plan."]
-PRICE = {"input_per_mtok": 3.0, "cached_input_per_mtok": 0.3, "output_per_mtok": 15.0}  # write: 1.25 x input
+PRICE = {"input_per_mtok": 3.0, "output_per_mtok": 15.0}  # unset: a read at 0.1 x input, a write at 1.25 x
 
 
 def planner(body: Any) -> OpenAIReply:

@@ -36,9 +36,10 @@ def points_of(index: int, lists: list[list[int]], inherited: int = 0, agents: st
 def test_each_step_marks_the_prefixes_it_shares_with_a_step_before_or_after_it() -> None:
     # 0 is the system message; after k shared steps the prefix ends at message 2k
     assert [points_of(i, PEV) for i in range(3)] == [(0,), (0, 2), (0, 2)]
-    # three proposers and an aggregator: each proposer shares the system message with the aggregator
+    # three proposers and an aggregator: the proposers share the system message with the aggregator, and
+    # run together: the first writes it for the aggregator, the others would pay for the same write
     moa = [[], [], [], [0, 1, 2]]
-    assert [points_of(i, moa) for i in range(4)] == [(0,), (0,), (0,), (0,)]
+    assert [points_of(i, moa) for i in range(4)] == [(0,), (), (), (0,)]
     # a child job's inherited context is part of every prefix; access lists count in step order
     assert points_of(2, [[], [], [1, 0], [0, 1, 2]], inherited=3) == (3, 7)
 
@@ -48,7 +49,7 @@ def test_a_prefix_shared_only_with_steps_that_may_run_at_the_same_time_is_not_ma
     # together; none can read what another writes, so their long shared prefix is not marked (each would pay
     # the write price for nothing); each marks the system message, which the aggregator after them sends
     moa = [[], [], [], [], *[[0, 1, 2, 3]] * 4, [4, 5, 6, 7]]
-    assert [points_of(i, moa) for i in range(4, 8)] == [(0,)] * 4
+    assert [points_of(i, moa) for i in range(9)] == [(0,), (), (), (), (0,), (0,), (0,), (0,), (0,)]
     # two steps that see nothing, nor each other: nothing to mark
     assert points_of(0, [[], []]) == ()
 
@@ -107,6 +108,27 @@ def run_pev(provider: AnthropicProvider) -> list[Completion]:
     return completions
 
 
+def test_of_parallel_steps_one_writes_what_a_later_step_reads(server: FakeAnthropicServer) -> None:
+    # MoA 3+1 with a long task: the proposers run together (writes held until all three were sent), the
+    # aggregator after them
+    long_task = TASK + " Background: " + "sleep " * 40
+    moa = [[], [], [], [0, 1, 2]]
+    provider = claude(server)
+
+    def call(i: int) -> Completion:
+        visible = [(f"subtask {d}", ANSWERS[0]) for d in moa[i]]
+        messages = worker_messages(task=long_task, visible=visible, instruction=f"subtask {i}")
+        return provider.complete(messages, CallOptions(cache_points=points_of(i, moa)))
+
+    with server.held_writes():
+        proposers = [call(i) for i in range(3)]
+    aggregator = call(3)
+
+    system = words(worker_messages(task=long_task, visible=[], instruction="x")[0].content)
+    assert [(c.cached_input_tokens, c.cache_write_tokens) for c in proposers] == [(0, system), (0, 0), (0, 0)]
+    assert (aggregator.cached_input_tokens, aggregator.cache_write_tokens) == (system, 0)
+
+
 def words(*texts: str) -> int:
     return sum(count_words(t) for t in texts)
 
@@ -150,6 +172,19 @@ def test_the_fake_refuses_more_markers_than_the_api_allows(server: FakeAnthropic
     body = {"messages": [{"role": "user", "content": [block] * 5}]}
     assert "maximum of 4" in (server.invalid(body) or "")
     assert server.invalid({"messages": [{"role": "user", "content": [block] * 4}]}) is None
+    empty = {**block, "text": ""}
+    assert "empty text blocks" in (server.invalid({"messages": [{"role": "user", "content": [block, empty]}]}) or "")
+
+
+def test_the_provider_sends_at_most_four_markers_the_longest(server: FakeAnthropicServer) -> None:
+    # five earlier steps seen: six turn ends and the system text could be marked; the API takes four
+    visible = [(f"subtask {d}", ANSWERS[d % 3]) for d in range(5)]
+    messages = worker_messages(task=TASK, visible=visible, instruction="subtask 5")
+    claude(server).complete(messages, CallOptions(cache_points=(0, 2, 4, 6, 8, 10)))
+
+    (body,) = server.bodies
+    marked = [text for _, text, mark in _blocks(body) if mark]
+    assert marked == [ANSWERS[1], ANSWERS[2], ANSWERS[0], ANSWERS[1]]  # the answers of steps 1 to 4
 
 
 def test_prompt_cache_is_a_strict_boolean_and_only_anthropic_agents_cache_on_request() -> None:
@@ -179,16 +214,31 @@ def test_an_unset_write_price_stays_out_of_a_pool_snapshot() -> None:
     assert pool.model_dump()["agents"]["c"]["price"]["cache_write_per_mtok"] == 3.75
 
 
-def test_a_step_that_may_write_the_cache_reserves_its_prompt_at_the_write_price() -> None:
+def test_a_step_that_may_write_the_cache_reserves_that_part_of_its_prompt_at_the_write_price() -> None:
     price = Price(input_per_mtok=4.0, output_per_mtok=8.0)
     limits = {"max_cost_usd": 1.0}
     plain = step_reservation(limits, prompt_tokens=1000, max_tokens=100, price=price)
-    writing = step_reservation(limits, prompt_tokens=1000, max_tokens=100, price=price, cache_writes=True)
+    writing = step_reservation(limits, prompt_tokens=1000, max_tokens=100, price=price, cache_write_tokens=600)
     assert plain.cost_usd == pytest.approx((1000 * 4.0 + 100 * 8.0) / 1e6)
-    assert writing.cost_usd == pytest.approx((1000 * 5.0 + 100 * 8.0) / 1e6)
-    # what is left for the output shrinks by the same quarter of the prompt's price
+    assert writing.cost_usd == pytest.approx((400 * 4.0 + 600 * 5.0 + 100 * 8.0) / 1e6)
+    # what is left for the output shrinks by the same quarter of the writable part's price
     spent = Spent(tokens=0, cost_usd=0.0)
-    tight = {"max_cost_usd": (1000 * 5.0 + 50 * 8.0) / 1e6}
+    tight = {"max_cost_usd": (400 * 4.0 + 600 * 5.0 + 50 * 8.0) / 1e6}
     assert allowed_output_tokens(tight, spent, prompt_tokens=1000, max_tokens=4096, price=price,
-                                 cache_writes=True) == 50
-    assert allowed_output_tokens(tight, spent, prompt_tokens=1000, max_tokens=4096, price=price) == 175
+                                 cache_write_tokens=600) == 50
+    assert allowed_output_tokens(tight, spent, prompt_tokens=1000, max_tokens=4096, price=price) == 125
+    # a write price below the input price (a pool's choice) never lowers the bound below plain input
+    cheap = Price(input_per_mtok=4.0, output_per_mtok=8.0, cache_write_per_mtok=1.0)
+    assert step_reservation(limits, prompt_tokens=1000, max_tokens=100, price=cheap,
+                            cache_write_tokens=600).cost_usd == pytest.approx(plain.cost_usd)
+
+
+def test_an_anthropic_agent_without_a_cached_price_costs_a_read_at_a_tenth_of_the_input() -> None:
+    # Anthropic's rate for every Claude model; elsewhere the rate differs by model, so unset stays the input's
+    claude = AgentConfig(provider="anthropic", model="m", price=Price(input_per_mtok=3.0))
+    assert claude.billing.cached_input_per_mtok == pytest.approx(0.3)
+    assert claude.price.cached_input_per_mtok is None  # the pool (and a job's snapshot) unchanged
+    set_price = AgentConfig(provider="anthropic", model="m", price=Price(input_per_mtok=3.0, cached_input_per_mtok=1.0))
+    assert set_price.billing.cached_input_per_mtok == 1.0
+    gpt = AgentConfig(provider="openai", model="m", price=Price(input_per_mtok=3.0))
+    assert gpt.billing.cost(1000, 0, 1000) == pytest.approx(3000 / 1e6)
