@@ -65,6 +65,8 @@ READ_RATE, WRITE_RATE = 0.1, 1.25
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-tokens", type=int, default=300)
+    p.add_argument("--task-tokens", type=int, default=0,
+                   help="pad each task with a document of about this many tokens (a deep-research job's sources)")
     p.add_argument("--cache-min-tokens", type=int, default=1024,
                    help="the shortest prefix Anthropic caches (1,024 for Sonnet and Opus, more for Haiku)")
 
@@ -99,6 +101,7 @@ def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int]
                                                         base_url=srv.base_url,
                                                         api_key_env="CONDUCTOR_BENCH_ANTHROPIC_KEY"))
         for wf, deps in WORKFLOWS.items():
+            srv.clear_cache()  # each workflow from a cold cache: the tasks' prefixes are the same in each
             sent = read = written = 0
             for task in tasks:
                 def call(i: int, task: str = task, deps: Sequence[Sequence[int]] = deps) -> tuple[int, int, int]:
@@ -141,6 +144,14 @@ def count(task: str, deps: Sequence[Sequence[int]], answer: str, n: Callable[[st
     return total
 
 
+def filler(tokens: int, n: Callable[[str], int]) -> str:
+    """A synthetic text of at least ``tokens`` tokens."""
+    text = ""
+    while n(text) < tokens:
+        text += " ".join(WORDS) + " "
+    return text
+
+
 def planning(task: str, n: Callable[[str], int]) -> int:
     """A planning call that writes a one-step workflow: the conductor's prompt for the shipped research
     pool (at the server's default limits) in, the workflow JSON out."""
@@ -160,11 +171,13 @@ def run(args: argparse.Namespace) -> Result:
     from bench.env import Result, table
 
     name, n = encoder()
-    tasks = TASKS[:2] if args.quick else TASKS
-    words = WORDS
     answer = ""
     while n(answer) < args.answer_tokens:
-        answer += f"{words[len(answer) % len(words)]} "
+        answer += f"{WORDS[len(answer) % len(WORDS)]} "
+    tasks = TASKS[:2] if args.quick else TASKS
+    if args.task_tokens:
+        document = filler(args.task_tokens, n)
+        tasks = [f"{task}\n\nSources:\n{document}" for task in tasks]
     rows, data = [], {}
     for wf, deps in WORKFLOWS.items():
         everything = [list(range(i)) for i in range(len(deps))]
@@ -180,7 +193,9 @@ def run(args: argparse.Namespace) -> Result:
         data[wf]["vs_one_step"] = data[wf]["access_lists"] / data["one step"]["access_lists"]
         data[wf]["vs_one_step_planned"] = data[wf]["access_lists"] / planned
     md = table(["workflow", "steps", "tokens, access lists", "tokens, see-everything", "see-everything / lists"], rows)
-    md += (f"\n\nMean tokens per task over {len(tasks)} tasks, answers of {n(answer)} tokens, counted with {name}. "
+    padded = f" (each with a {args.task_tokens}-token document)" if args.task_tokens else ""
+    md += (f"\n\nMean tokens per task over {len(tasks)} tasks{padded}, answers of {n(answer)} tokens, "
+           f"counted with {name}. "
            "Against pev with access lists: "
            + ", ".join(f"{wf} {data[wf]['vs_pev_access_lists']:.2f}x" for wf in MOA)
            + "; against one step: " + ", ".join(f"{wf} {data[wf]['vs_one_step']:.2f}x" for wf in MOA)
@@ -195,7 +210,9 @@ def run(args: argparse.Namespace) -> Result:
                 [[wf, round(c["input_tokens"]), round(c["read"]), round(c["written"]),
                   f"{c['input_price_vs_no_cache']:.2f}x"] for wf, c in cached.items()])
     cmd = "python -m bench tokens --quick" if args.quick else \
-        f"python -m bench tokens --answer-tokens {args.answer_tokens} --cache-min-tokens {args.cache_min_tokens}"
-    data_out = {"encoder": name, "answer_tokens": n(answer), "tasks": len(tasks), "workflows": data,
+        (f"python -m bench tokens --answer-tokens {args.answer_tokens} --cache-min-tokens {args.cache_min_tokens}"
+         + (f" --task-tokens {args.task_tokens}" if args.task_tokens else ""))
+    data_out = {"encoder": name, "answer_tokens": n(answer), "task_tokens": args.task_tokens, "tasks": len(tasks),
+                "workflows": data,
                 "prompt_cache": {"min_tokens": args.cache_min_tokens, "workflows": cached}}
     return Result("tokens", cmd, data_out, md)

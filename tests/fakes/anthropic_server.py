@@ -98,6 +98,10 @@ class FakeAnthropicServer(FakeProviderServer):
         self._held: set[str] | None = None
         self._cache_lock = threading.Lock()
 
+    def clear_cache(self) -> None:
+        with self._cache_lock:
+            self._cache.clear()
+
     @contextmanager
     def held_writes(self) -> Iterator[None]:
         with self._cache_lock:
