@@ -148,7 +148,8 @@ def usage(job: Job) -> CompletionUsage:
         prompt_tokens=job.input_tokens,
         completion_tokens=job.output_tokens,
         total_tokens=job.input_tokens + job.output_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=job.cached_input_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=job.cached_input_tokens,
+                                                  cache_write_tokens=job.cache_write_tokens),
         completion_tokens_details=CompletionTokensDetails(reasoning_tokens=job.reasoning_tokens),
     )
 

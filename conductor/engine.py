@@ -321,7 +321,8 @@ def _usage_columns(usage: PlannerUsage) -> dict[str, Any]:
     return {"planner_input_tokens": usage.input_tokens, "planner_output_tokens": usage.output_tokens,
             "planner_cost_usd": usage.cost_usd, "planner_calls": usage.calls,
             "planner_cached_input_tokens": usage.cached_input_tokens,
-            "planner_reasoning_tokens": usage.reasoning_tokens}
+            "planner_reasoning_tokens": usage.reasoning_tokens,
+            "planner_cache_write_tokens": usage.cache_write_tokens}
 
 
 def _plan_columns(result: PlanResult) -> dict[str, Any]:
@@ -679,6 +680,7 @@ def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
         "cost_usd": config.billing.cost(c.input_tokens, c.output_tokens, c.cached_input_tokens, c.cache_write_tokens),
         "cached_input_tokens": c.cached_input_tokens,
         "reasoning_tokens": c.reasoning_tokens,
+        "cache_write_tokens": c.cache_write_tokens,
         "latency_ms": c.latency_ms,
         "error": None,
         "error_type": None,
@@ -746,7 +748,8 @@ def _record_success(
             # Cancelled or taken over meanwhile: the answer is dropped, its cost is not.
             usage = {"input_tokens": completion.input_tokens, "output_tokens": completion.output_tokens,
                      "cost_usd": columns["cost_usd"], "cached_input_tokens": completion.cached_input_tokens,
-                     "reasoning_tokens": completion.reasoning_tokens}
+                     "reasoning_tokens": completion.reasoning_tokens,
+                     "cache_write_tokens": completion.cache_write_tokens}
             if store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, **usage):
                 carry.append((job_id, usage))  # the job had ended: a parent it has needs it too
             return Dispatch()
@@ -1002,6 +1005,8 @@ class _JobUsage(Protocol):
     def planner_cached_input_tokens(self) -> int: ...
     @property
     def planner_reasoning_tokens(self) -> int: ...
+    @property
+    def planner_cache_write_tokens(self) -> int: ...
 
 
 class _ChildJob(Protocol):
@@ -1030,6 +1035,8 @@ class _StepUsage(Protocol):
     def cached_input_tokens(self) -> int: ...
     @property
     def reasoning_tokens(self) -> int: ...
+    @property
+    def cache_write_tokens(self) -> int: ...
 
 
 def _webhooks_owed(s: Session, job_id: str, head: store.JobHead | None = None) -> list[str]:
@@ -1064,6 +1071,7 @@ def _settle_parent_step(
         "cost_usd": totals["cost_usd"],
         "cached_input_tokens": totals["cached_input_tokens"],
         "reasoning_tokens": totals["reasoning_tokens"],
+        "cache_write_tokens": totals["cache_write_tokens"],
         "latency_ms": latency,
     }
     if succeeded:
@@ -1100,6 +1108,7 @@ def _totals(job: _JobUsage, steps: Sequence[_StepUsage]) -> dict[str, Any]:
         "calls": job.planner_calls + sum(st.attempts for st in steps if st.agent != CONDUCTOR_AGENT),
         "cached_input_tokens": job.planner_cached_input_tokens + sum(st.cached_input_tokens for st in steps),
         "reasoning_tokens": job.planner_reasoning_tokens + sum(st.reasoning_tokens for st in steps),
+        "cache_write_tokens": job.planner_cache_write_tokens + sum(st.cache_write_tokens for st in steps),
     }
 
 

@@ -125,6 +125,8 @@ class Choice(BaseModel):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     """Of ``prompt_tokens``, those the providers read from their prompt caches."""
+    cache_write_tokens: int = 0
+    """Of ``prompt_tokens``, those the providers wrote to their prompt caches."""
 
 
 class CompletionTokensDetails(BaseModel):

@@ -152,7 +152,8 @@ def error(job: Job) -> ResponseErrorBody:
 def usage(job: Job) -> ResponseUsage:
     return ResponseUsage(input_tokens=job.input_tokens, output_tokens=job.output_tokens,
                          total_tokens=job.input_tokens + job.output_tokens,
-                         input_tokens_details=InputTokensDetails(cached_tokens=job.cached_input_tokens),
+                         input_tokens_details=InputTokensDetails(cached_tokens=job.cached_input_tokens,
+                                                                 cache_write_tokens=job.cache_write_tokens),
                          output_tokens_details=OutputTokensDetails(reasoning_tokens=job.reasoning_tokens))
 
 

@@ -78,7 +78,8 @@ def _clip(text: str, full: bool) -> str:
 
 
 def _details(usage: Job | Step) -> str:
-    """The cached input and reasoning output of a job's or step's tokens, when there are any."""
+    """The cached input (read and written) and reasoning output of a job's or step's tokens, when there are any."""
     parts = [f"{usage.cached_input_tokens} cached"] if usage.cached_input_tokens else []
+    parts += [f"{usage.cache_write_tokens} written to cache"] if usage.cache_write_tokens else []
     parts += [f"{usage.reasoning_tokens} reasoning"] if usage.reasoning_tokens else []
     return f" ({', '.join(parts)})" if parts else ""

@@ -22,6 +22,8 @@ class PlannerUsage:
     """Of ``input_tokens``, those the provider read from its prompt cache."""
     reasoning_tokens: int = 0
     """Of ``output_tokens``, the model's reasoning."""
+    cache_write_tokens: int = 0
+    """Of ``input_tokens``, those written to the provider's prompt cache."""
 
 
 @dataclass

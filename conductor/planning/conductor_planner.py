@@ -117,6 +117,7 @@ def _add_usage(usage: PlannerUsage, completion: Completion, price: Price) -> Non
     usage.output_tokens += completion.output_tokens
     usage.cached_input_tokens += completion.cached_input_tokens
     usage.reasoning_tokens += completion.reasoning_tokens
+    usage.cache_write_tokens += completion.cache_write_tokens
     usage.cost_usd += price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens,
                                  completion.cache_write_tokens)
     usage.calls += 1

@@ -72,6 +72,7 @@ class PlannerUsage(BaseModel):
     calls: int
     cached_input_tokens: int = Field(description="of input_tokens, those read from the providers' prompt caches")
     reasoning_tokens: int = Field(description="of output_tokens, the models' reasoning")
+    cache_write_tokens: int = Field(description="of input_tokens, those written to the providers' prompt caches")
 
 
 class JobUsage(PlannerUsage):
@@ -171,6 +172,7 @@ class StepUsage(BaseModel):
     cost_usd: float
     cached_input_tokens: int = Field(description="of input_tokens, those read from the provider's prompt cache")
     reasoning_tokens: int = Field(description="of output_tokens, the model's reasoning")
+    cache_write_tokens: int = Field(description="of input_tokens, those written to the provider's prompt cache")
 
 
 class AttemptPublic(BaseModel):

@@ -66,6 +66,7 @@ def job_view(job: Job, steps: list[Step], *, base_url: str = "") -> JobPublic:
             calls=job.calls,
             cached_input_tokens=job.cached_input_tokens,
             reasoning_tokens=job.reasoning_tokens,
+            cache_write_tokens=job.cache_write_tokens,
             planner=PlannerUsage(
                 input_tokens=job.planner_input_tokens,
                 output_tokens=job.planner_output_tokens,
@@ -73,6 +74,7 @@ def job_view(job: Job, steps: list[Step], *, base_url: str = "") -> JobPublic:
                 calls=job.planner_calls,
                 cached_input_tokens=job.planner_cached_input_tokens,
                 reasoning_tokens=job.planner_reasoning_tokens,
+                cache_write_tokens=job.planner_cache_write_tokens,
             ),
         ),
         replay_of=job.replay_of,
@@ -157,6 +159,7 @@ def step_view(
         usage=StepUsage(
             input_tokens=step.input_tokens, output_tokens=step.output_tokens, cost_usd=round(step.cost_usd, 8),
             cached_input_tokens=step.cached_input_tokens, reasoning_tokens=step.reasoning_tokens,
+            cache_write_tokens=step.cache_write_tokens,
         ),
         latency_ms=step.latency_ms,
         attempts=[attempt_view(a) for a in attempts],

@@ -341,11 +341,12 @@ def _transition_stmt(from_: tuple[str, ...], to: str, fenced: bool, keys: tuple[
 
 
 PLANNER_USAGE = ("planner_input_tokens", "planner_output_tokens", "planner_cost_usd", "planner_calls",
-                 "planner_cached_input_tokens", "planner_reasoning_tokens")
+                 "planner_cached_input_tokens", "planner_reasoning_tokens", "planner_cache_write_tokens")
 """A job's planner usage columns: added to, never set, as more than one planning claim may have paid."""
 PLANNER_TOTALS = {"planner_input_tokens": "input_tokens", "planner_output_tokens": "output_tokens",
                   "planner_cost_usd": "cost_usd", "planner_calls": "calls",
-                  "planner_cached_input_tokens": "cached_input_tokens", "planner_reasoning_tokens": "reasoning_tokens"}
+                  "planner_cached_input_tokens": "cached_input_tokens", "planner_reasoning_tokens": "reasoning_tokens",
+                  "planner_cache_write_tokens": "cache_write_tokens"}
 """Each planner usage column and the job total it is part of."""
 
 
@@ -641,9 +642,11 @@ def _finish_attempt_stmt() -> sa.Update:
                     error=sa.bindparam("p_error", type_=sa.Text())))
 
 
-USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd", "cached_input_tokens", "reasoning_tokens")
+USAGE_COLUMNS = ("input_tokens", "output_tokens", "cost_usd", "cached_input_tokens", "reasoning_tokens",
+                 "cache_write_tokens")
 """A step's (and a job's) usage columns, added to: a step's calls of workers that lost it were paid for too;
-the last two are details of the first two (the cached part of the input, the reasoning part of the output)."""
+the last three are details of the first two (the input read from and written to the prompt cache, the
+reasoning part of the output)."""
 RELEASED: dict[str, Any] = {"reserved_usd": 0.0, "reserved_tokens": 0}
 """An ended step holds nothing against its job's budgets: what it spent is in its usage columns."""
 
@@ -662,14 +665,15 @@ def finish_step(
 
 def add_unrecorded_usage(
     session: Session, *, step_id: int, job_id: str, input_tokens: int, output_tokens: int, cost_usd: float,
-    cached_input_tokens: int = 0, reasoning_tokens: int = 0,
+    cached_input_tokens: int = 0, reasoning_tokens: int = 0, cache_write_tokens: int = 0,
 ) -> bool:
     """A call whose answer was dropped (the job was cancelled or failed meanwhile, or another worker took
     the step over) was still paid for: its usage is added to the step, and to the job's totals when the
     job has already ended (a running job's totals are summed from its steps when it ends). True when
     the job had ended: a child job's parent then needs it too (``add_usage_to_parent``)."""
     usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "cost_usd": cost_usd,
-             "cached_input_tokens": cached_input_tokens, "reasoning_tokens": reasoning_tokens}
+             "cached_input_tokens": cached_input_tokens, "reasoning_tokens": reasoning_tokens,
+             "cache_write_tokens": cache_write_tokens}
     step = session.execute(
         sa.update(Step)
         .where(col(Step.id) == step_id)
@@ -1041,6 +1045,7 @@ class JobHead:
     planner_calls: int
     planner_cached_input_tokens: int
     planner_reasoning_tokens: int
+    planner_cache_write_tokens: int
     has_webhook: bool = True
     """Whether the job has a webhook URL (set at creation, never changed): without one, its end owes no
     delivery and the outbox insert is skipped."""
@@ -1066,7 +1071,7 @@ def _lock_job_stmt() -> sa.Select[Any]:
     j = JOB
     return (sa.select(j.c.id, j.c.status, j.c.created_at, j.c.parent_job_id, j.c.parent_step_index,
                       j.c.planner_input_tokens, j.c.planner_output_tokens, j.c.planner_cost_usd, j.c.planner_calls,
-                      j.c.planner_cached_input_tokens, j.c.planner_reasoning_tokens,
+                      j.c.planner_cached_input_tokens, j.c.planner_reasoning_tokens, j.c.planner_cache_write_tokens,
                       j.c.webhook_url.is_not(None).label("has_webhook"), batch_work_of(j).label("background"))
             .where(j.c.id == sa.bindparam("p_job_id")).with_for_update(key_share=True))
 
@@ -1145,6 +1150,7 @@ class StepHead:
     error: str | None
     cached_input_tokens: int
     reasoning_tokens: int
+    cache_write_tokens: int
 
 
 def step_heads(session: Session, *, job_id: str) -> list[StepHead]:
@@ -1167,7 +1173,7 @@ def _head_columns(st: sa.Table) -> tuple[sa.Column[Any], ...]:
     """``StepHead``'s columns, in its order."""
     return (st.c.index, st.c.status, st.c.access_list, st.c.agent, st.c.attempts, st.c.input_tokens,
             st.c.output_tokens, st.c.cost_usd, st.c.error_type, st.c.error, st.c.cached_input_tokens,
-            st.c.reasoning_tokens)
+            st.c.reasoning_tokens, st.c.cache_write_tokens)
 
 
 def record_step_and_heads(
@@ -1427,7 +1433,8 @@ def _progress_stmt(steps: bool) -> sa.Select[Any]:
 
 
 OUTCOME_FIELDS = ("id", "status", "created_at", "finished_at", "answer", "error_type", "error_message",
-                  "input_tokens", "output_tokens", "cost_usd", "calls", "cached_input_tokens", "reasoning_tokens")
+                  "input_tokens", "output_tokens", "cost_usd", "calls", "cached_input_tokens", "reasoning_tokens",
+                  "cache_write_tokens")
 """What a stream or a waiting chat completion tells of a job once it has ended."""
 
 

@@ -158,6 +158,7 @@ class Job(SQLModel, table=True):
     planner_calls: int = 0
     planner_cached_input_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     planner_reasoning_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    planner_cache_write_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
@@ -166,6 +167,8 @@ class Job(SQLModel, table=True):
     """Of ``input_tokens``, those read from the providers' prompt caches (the planner's too)."""
     reasoning_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     """Of ``output_tokens``, the models' reasoning (the planner's too)."""
+    cache_write_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    """Of ``input_tokens``, those written to the providers' prompt caches (the planner's too)."""
     limits: dict[str, Any] = _json(dict, nullable=False)
     meta: dict[str, Any] = Field(default_factory=dict, sa_column=Column("metadata", JSONType, nullable=False))
     webhook_url: str | None = Field(default=None, max_length=2048)
@@ -230,6 +233,8 @@ class Step(SQLModel, table=True):
     """Of ``input_tokens``, those read from the provider's prompt cache (priced at the agent's cached price)."""
     reasoning_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     """Of ``output_tokens``, the model's reasoning."""
+    cache_write_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    """Of ``input_tokens``, those written to the provider's prompt cache (priced at the agent's write price)."""
     latency_ms: int | None = None
     attempts: int = 0
     error_type: str | None = Field(default=None, max_length=64)

@@ -14,7 +14,7 @@ JOB: sa.Table = Job.__table__  # type: ignore[attr-defined]
 RESPONSE: sa.Table = OpenAIResponse.__table__  # type: ignore[attr-defined]
 STATE_FIELDS = ("id", "status", "created_at", "finished_at", "answer", "error_type", "error_message",
                 "input_tokens", "output_tokens", "cost_usd", "calls", "meta", "limits", "cached_input_tokens",
-                "reasoning_tokens")
+                "reasoning_tokens", "cache_write_tokens")
 """What a response object tells of its job (with the instructions): a poll reads these, not the job's task,
 context, pool snapshot or planner output, each of which can be long."""
 

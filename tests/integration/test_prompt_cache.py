@@ -13,6 +13,10 @@ import httpx
 import pytest
 import yaml
 
+from conductor import responses
+from conductor.store import jobs as store
+from conductor.store.db import session_scope
+from conductor.trace import render_trace
 from tests.fakes.anthropic_server import FakeAnthropicServer, Reply, _blocks, ok
 from tests.fakes.http_base import count_words
 from tests.fakes.openai_server import FakeOpenAIServer, OpenAIReply
@@ -71,10 +75,61 @@ def test_later_steps_read_the_prefixes_earlier_steps_wrote(client: httpx.Client,
     for step, (read, written), body in zip(steps, expected, bodies, strict=True):
         prompt = words(step["messages"])
         usage = step["usage"]
-        assert (usage["input_tokens"], usage["cached_input_tokens"]) == (prompt, read), step
+        assert (usage["input_tokens"], usage["cached_input_tokens"], usage["cache_write_tokens"]) == (
+            prompt, read, written), step
         cost = ((prompt - read - written) * 3.0 + read * 0.3 + written * 3.75 + 10 * 15.0) / 1e6
         assert usage["cost_usd"] == pytest.approx(cost, abs=1e-8), step
         # the markers the worker sent: the system block, and from the second step on the plan's answer
         marked = [text for _, text, mark in _blocks(body) if mark]
         assert marked == [step["messages"][0]["content"], *([ANSWERS[0]] if step["index"] else [])]
     assert job["usage"]["cached_input_tokens"] == 2 * system + plan_turn
+    assert job["usage"]["cache_write_tokens"] == system + plan_turn
+    assert job["usage"]["planner"]["cache_write_tokens"] == 0  # an openai_compatible planner writes none
+
+    # the operator's trace and the OpenAI-shaped usage tell the writes apart too
+    with session_scope() as s:
+        row = store.get_job(s, job_id=job["id"])
+        assert row is not None
+        trace = render_trace(s, row)
+    assert f"({system} cached, {plan_turn} written to cache)" in trace, trace
+    assert responses.usage(row).input_tokens_details.cache_write_tokens == system + plan_turn
+
+
+CHILD_PLAN = {"model_ids": ["claude", "claude"], "subtasks": ["Plan how to answer.", "Carry out the plan."],
+              "access_lists": [[], [0]]}
+PARENT_PLAN = {"model_ids": ["conductor", "claude"], "subtasks": ["Re-plan and solve the task.",
+                                                                 "Check the answer against the plan."],
+               "access_lists": [[], [0]]}
+
+
+def nested_planner(body: Any) -> OpenAIReply:
+    child = "Subtask from the parent workflow" in json.dumps(body["messages"])
+    return OpenAIReply(text=json.dumps(CHILD_PLAN if child else PARENT_PLAN), input_tokens=100, output_tokens=30)
+
+
+def test_a_child_jobs_cache_writes_reach_its_recursive_step_and_the_job(client: httpx.Client,
+                                                                        pools_dir: Path) -> None:
+    with FakeOpenAIServer(reply=nested_planner) as plans, \
+            FakeAnthropicServer(api_key=ANTHROPIC_TEST_KEY, prompt_cache_min_tokens=10) as claude:
+        claude.reply_with(worker_reply(claude))
+        pool = {"planner": "planner", "fallback": "template:single", "agents": {
+            "planner": {"provider": "openai_compatible", "model": "conductor", "base_url": plans.base_url},
+            "claude": {"provider": "anthropic", "model": "claude-test", "base_url": claude.base_url,
+                       "api_key_env": ANTHROPIC_KEY_ENV, "price": PRICE}}}
+        (pools_dir / "prompt-cache-nested.yaml").write_text(yaml.safe_dump(pool))
+        created = client.post("/v1/jobs", json={"task": "Is it wise to sleep before an exam rather than study?",
+                                                "pool": "prompt-cache-nested", "limits": {"max_depth": 1}})
+        assert created.status_code == 202, created.text
+        job = wait_terminal(client, created.json()["id"])
+    assert job["status"] == "succeeded", job
+    steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
+    child_steps = client.get(f"/v1/jobs/{steps[0]['child_job_id']}/steps").json()["data"]
+    # in the child, the plan writes the system prefix and the execution reads it
+    child_system = words(child_steps[0]["messages"][:1])
+    assert [(s["usage"]["cached_input_tokens"], s["usage"]["cache_write_tokens"]) for s in child_steps] == [
+        (0, child_system), (child_system, 0)]
+    # the recursive step carries the child's totals, the job adds its own last step (no peer: nothing cached)
+    assert (steps[0]["usage"]["cached_input_tokens"], steps[0]["usage"]["cache_write_tokens"]) == (
+        child_system, child_system)
+    assert (steps[1]["usage"]["cached_input_tokens"], steps[1]["usage"]["cache_write_tokens"]) == (0, 0)
+    assert (job["usage"]["cached_input_tokens"], job["usage"]["cache_write_tokens"]) == (child_system, child_system)

@@ -72,8 +72,10 @@ def test_cached_and_reasoning_tokens_are_recorded_summed_and_priced(client: http
     child = client.get(f"/v1/jobs/{steps[1]['child_job_id']}").json()
 
     worker = {"input_tokens": 1000, "output_tokens": 100, "cached_input_tokens": 800, "reasoning_tokens": 60,
+              "cache_write_tokens": 0,
               "cost_usd": round((200 * 1.0 + 800 * 0.1 + 100 * 2.0) / 1e6, 8)}  # cached input at its own price
     planner = {"input_tokens": 500, "output_tokens": 50, "cached_input_tokens": 400, "reasoning_tokens": 20,
+               "cache_write_tokens": 0,
                "cost_usd": round((500 * 0.5 + 50 * 1.0) / 1e6, 8), "calls": 1}  # no cached price: the input's
     assert steps[0]["usage"] == steps[2]["usage"] == worker
     assert child["usage"]["planner"] == job["usage"]["planner"] == planner

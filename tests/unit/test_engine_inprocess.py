@@ -485,7 +485,8 @@ def test_a_plannings_usage_fills_exactly_the_planner_columns_the_store_adds_to()
     from conductor.planning.base import PlannerUsage
 
     columns = _usage_columns(PlannerUsage(input_tokens=3, output_tokens=2, cost_usd=0.5, calls=1,
-                                          cached_input_tokens=2, reasoning_tokens=1))
+                                          cached_input_tokens=2, reasoning_tokens=1, cache_write_tokens=1))
     assert set(columns) == set(store.PLANNER_USAGE) and set(store.PLANNER_TOTALS) == set(store.PLANNER_USAGE)
     assert columns == {"planner_input_tokens": 3, "planner_output_tokens": 2, "planner_cost_usd": 0.5,
-                       "planner_calls": 1, "planner_cached_input_tokens": 2, "planner_reasoning_tokens": 1}
+                       "planner_calls": 1, "planner_cached_input_tokens": 2, "planner_reasoning_tokens": 1,
+                       "planner_cache_write_tokens": 1}
