@@ -86,7 +86,7 @@ def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int]
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from conductor.context import cache_points
+    from conductor.context import PlannedStep, cache_points
     from conductor.pool.base import CallOptions
     from conductor.pool.config import AgentConfig
     from conductor.pool.registry import build_provider
@@ -107,7 +107,7 @@ def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int]
                 def call(i: int, task: str = task, deps: Sequence[Sequence[int]] = deps) -> tuple[int, int, int]:
                     visible = [(f"subtask {d}", answer) for d in sorted(deps[i])]
                     messages = worker_messages(task=task, visible=visible, instruction=f"subtask {i}")
-                    points = cache_points(i, [("claude", d) for d in deps], inherited=0)
+                    points = cache_points(i, [PlannedStep("claude", d) for d in deps], inherited=0)
                     c = provider.complete(messages, CallOptions(cache_points=points))
                     return c.input_tokens, c.cached_input_tokens, c.cache_write_tokens
 

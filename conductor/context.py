@@ -8,6 +8,7 @@ system message so every worker knows what the job is for; nothing else is added.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from conductor.pool.base import Message
 
@@ -41,35 +42,47 @@ MAX_CACHE_POINTS = 4
 """Anthropic's limit on prompt-cache breakpoints per request."""
 
 
-def cache_points(index: int, workflow: Sequence[tuple[str, Sequence[int]]], *, inherited: int) -> tuple[int, ...]:
+class PlannedStep(NamedTuple):
+    """What ``cache_points`` needs of each step of a job."""
+
+    agent: str
+    access_list: Sequence[int]
+    reused: bool = False
+    """A replay copied it from the original job: it does not run (its original ran, in that job)."""
+
+
+def cache_points(index: int, workflow: Sequence[PlannedStep], *, inherited: int) -> tuple[int, ...]:
     """Where step ``index``'s messages (``worker_messages``) end a prefix another step of its job on the same
     agent sends too, and runs before or after it: the indices of those prefixes' last messages, ascending, at
-    most ``MAX_CACHE_POINTS`` (the longest kept). ``workflow``: every step's (agent, access list), by index.
+    most ``MAX_CACHE_POINTS`` (the longest kept). ``workflow``: every step of the job, by index.
 
     Two steps' messages agree up to the system message, the ``inherited`` context and the turns of the steps
     their access lists (in step order) start with in common: after ``k`` such steps the prefix ends at message
     ``inherited + 2k`` (0 is the system message). A provider that caches prompt prefixes on request
     (Anthropic) is asked to cache exactly these: a step marks what it shares with a step before it (to read
-    it) and with one after it (to write it for that one). Calls sent together read none of each other's
-    writes, and a write costs more than plain input, so a prefix shared only with steps that may run at the
-    same time (neither sees the other, even through other steps) is not marked, and of several such steps
-    that would each write a prefix for the same later step, only the first (by index) writes it."""
-    sent = [(agent, sorted(access)) for agent, access in workflow]
-    agent = sent[index][0]
+    it; a step a replay reused ran in the original job, whose write may still be fresh) and with one after it
+    (to write it for that one). Calls sent together read none of each other's writes, and a write costs
+    more than plain input, so a prefix shared only with steps that may run at the same time (neither sees the
+    other, even through other steps) is not marked, and a step does not write a prefix for a later step that
+    a step running beside it writes too, or writes longer, for that one (of equal ones, the first by index
+    writes)."""
+    sent = [PlannedStep(step.agent, sorted(step.access_list), step.reused) for step in workflow]
+    agent = sent[index].agent
     earlier = _ancestors(index, workflow)
     points: set[int] = set()
-    for other, (other_agent, _) in enumerate(sent):
-        if other == index or other_agent != agent:
+    for other, step in enumerate(sent):
+        if other == index or step.agent != agent:
             continue
-        shared = _shared(sent[index][1], sent[other][1])
+        shared = _shared(sent[index].access_list, step.access_list)
         if other in earlier:
             points.add(inherited + 2 * shared)  # it wrote this prefix before this step starts
-        elif index in _ancestors(other, workflow) and not any(
-                first < index and sent[first][0] == agent and first not in earlier
+        elif not step.reused and index in _ancestors(other, workflow) and not any(
+                not beside.reused and beside.agent == agent and first != index and first not in earlier
                 and index not in _ancestors(first, workflow) and first in _ancestors(other, workflow)
-                and _shared(sent[first][1], sent[other][1]) >= shared
-                for first in range(len(sent))):
-            points.add(inherited + 2 * shared)  # no step running beside this one writes it for that one first
+                and (longer := _shared(beside.access_list, step.access_list)) >= shared
+                and (longer > shared or first < index)
+                for first, beside in enumerate(sent)):
+            points.add(inherited + 2 * shared)  # no step running beside this one writes it for that one
     return tuple(sorted(points)[-MAX_CACHE_POINTS:])
 
 
@@ -81,15 +94,15 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _ancestors(index: int, workflow: Sequence[tuple[str, Sequence[int]]]) -> set[int]:
+def _ancestors(index: int, workflow: Sequence[PlannedStep]) -> set[int]:
     """The steps that end before step ``index`` starts: those it sees, and those they see, transitively."""
     found: set[int] = set()
-    todo = list(workflow[index][1])
+    todo = list(workflow[index].access_list)
     while todo:
         step = todo.pop()
         if step not in found and 0 <= step < len(workflow):
             found.add(step)
-            todo.extend(workflow[step][1])
+            todo.extend(workflow[step].access_list)
     return found
 
 

@@ -32,7 +32,7 @@ from conductor.budget import (
     estimate_tokens,
     step_reservation,
 )
-from conductor.context import cache_points, turns_as_messages, worker_messages
+from conductor.context import PlannedStep, cache_points, turns_as_messages, worker_messages
 from conductor.errors import (
     BudgetExceeded,
     ConductorError,
@@ -280,7 +280,9 @@ def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], roots
             step_input = store.StepInput(
                 JobStatus.RUNNING, job.task, job.context, limits, job.pool_config or {}, job.created_at, tokens, cost,
                 row["agent"], row["instruction"], list(row["access_list"]), job.tenant, unstarted, visible,
-                answers=i == len(rows) - 1, index=i, workflow=[(r["agent"], list(r["access_list"])) for r in rows])
+                answers=i == len(rows) - 1, index=i,
+                workflow=[PlannedStep(r["agent"], list(r["access_list"]), r.get("reused_from") is not None)
+                          for r in rows])
             rendered = _render(step_input, job.id, now)
             owner = _owner(take.worker if not claims else take.beside or take.worker)
             row.update(status=StepStatus.RUNNING, lease_owner=owner, started_at=now, celery_task_id=take.task_id,

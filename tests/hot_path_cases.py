@@ -80,12 +80,12 @@ def the_read_returns_every_steps_agent_and_access_list() -> None:
             "access_lists": [[], [], [0], [1, 0, 2]]}}), tenant="trips", settings=get_settings())
     plan_job(job.id, settings=get_settings())
 
-    def read(s: Any, index: int) -> tuple[int, list[tuple[str, list[int]]]]:
+    def read(s: Any, index: int) -> tuple[int, list[tuple[str, list[int], bool]]]:
         row = store.read_step_input(s, job_id=job.id, index=index)
         assert row is not None
-        return row.index, [(agent, sorted(access)) for agent, access in row.workflow]
+        return row.index, [(step.agent, sorted(step.access_list), step.reused) for step in row.workflow]
 
-    expected = [("a", []), ("b", []), ("a", [0]), ("a", [0, 1, 2])]
+    expected = [("a", [], False), ("b", [], False), ("a", [0], False), ("a", [0, 1, 2], False)]
     assert transaction(lambda s: read(s, 2)) == (2, expected)
     assert transaction(lambda s: read(s, 1)) == (1, expected)
 

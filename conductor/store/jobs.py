@@ -19,6 +19,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import QueryableAttribute, defer
 from sqlmodel import Session, col, select
 
+from conductor.context import PlannedStep
 from conductor.errors import ErrorType
 from conductor.store.db import ONE_TRANSACTION, in_id_order
 from conductor.store.direct import Direct
@@ -768,8 +769,8 @@ class StepInput:
     answers: bool = False
     """This is the job's last step: its output is the job's answer (``limits.max_answer_tokens`` caps it)."""
     index: int = 0
-    workflow: list[tuple[str, list[int]]] = field(default_factory=list)
-    """Every step's (agent, access list), by index: where prompt prefixes are shared (``context.cache_points``)."""
+    workflow: list[PlannedStep] = field(default_factory=list)
+    """Every step of the job, by index: where prompt prefixes are shared (``context.cache_points``)."""
 
 
 def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput | None:
@@ -784,7 +785,8 @@ def read_step_input(session: Session, *, job_id: str, index: int) -> StepInput |
     access_list = list(row[10] or [])
     if direct.postgres:
         visible = [(subtask, answer or "") for subtask, answer in row[15] or []]
-        workflow = [(str(agent), list(access or [])) for agent, access in row[16] or []]
+        workflow = [PlannedStep(str(agent), list(access or []), bool(reused))
+                    for agent, access, reused in row[16] or []]
     else:
         visible = visible_outputs(session, job_id=job_id, indices=access_list)
         workflow = workflow_of(session, job_id=job_id)
@@ -828,10 +830,10 @@ def _read_step_input_stmt(with_visible: bool) -> sa.Select[Any]:
                    st.c.access_list.op("@>", return_type=sa.Boolean)(sa.func.jsonb_build_array(seen.c.index)))
             .scalar_subquery()
         )
-        step = STEP.alias("plan")  # [[agent, access_list], …] of every step, by index
+        step = STEP.alias("plan")  # [[agent, access_list, reused], …] of every step, by index
+        entry = sa.func.jsonb_build_array(step.c.agent, step.c.access_list, step.c.reused_from.is_not(None))
         columns.append(
-            sa.select(sa.func.jsonb_agg(aggregate_order_by(sa.func.jsonb_build_array(step.c.agent, step.c.access_list),
-                                                           step.c.index), type_=JSONB))
+            sa.select(sa.func.jsonb_agg(aggregate_order_by(entry, step.c.index), type_=JSONB))
             .where(step.c.job_id == job_id)
             .scalar_subquery()
         )
@@ -850,12 +852,12 @@ def visible_outputs(session: Session, *, job_id: str, indices: Sequence[int]) ->
     return [(r[0], r[1] or "") for r in rows]
 
 
-def workflow_of(session: Session, *, job_id: str) -> list[tuple[str, list[int]]]:
-    """Every step's (agent, access list), by index (``StepInput.workflow``), where one statement cannot
-    aggregate them."""
+def workflow_of(session: Session, *, job_id: str) -> list[PlannedStep]:
+    """Every step of the job, by index (``StepInput.workflow``), where one statement cannot aggregate them."""
     st = STEP
-    rows = session.execute(sa.select(st.c.agent, st.c.access_list).where(st.c.job_id == job_id).order_by(st.c.index))
-    return [(r[0], list(r[1] or [])) for r in rows]
+    rows = session.execute(sa.select(st.c.agent, st.c.access_list, st.c.reused_from.is_not(None))
+                           .where(st.c.job_id == job_id).order_by(st.c.index))
+    return [PlannedStep(r[0], list(r[1] or []), bool(r[2])) for r in rows]
 
 
 @cache

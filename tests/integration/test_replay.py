@@ -67,7 +67,7 @@ def test_replay_from_step_2_with_an_agent_swapped_reuses_0_1_and_reruns_what_dep
         assert after[i]["messages"] == before_steps[i]["messages"] and after[i]["output"] == before_steps[i]["output"]
         assert after[i]["attempts"] == [] and after[i]["usage"] == {"input_tokens": 0, "output_tokens": 0,
                                                                     "cost_usd": 0.0, "cached_input_tokens": 0,
-                                                                    "reasoning_tokens": 0}
+                                                                    "reasoning_tokens": 0, "cache_write_tokens": 0}
     # Step 2 ran on the swapped agent, seeing the reused outputs of 0 and 1.
     assert after[2]["reused_from"] is None and len(after[2]["attempts"]) == 1
     assert after[2]["output"] == "[d] part 2" != before_steps[2]["output"]

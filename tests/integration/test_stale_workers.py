@@ -58,10 +58,10 @@ def test_a_worker_that_lost_its_step_adds_its_usage_and_cannot_rewrite_its_attem
     # The stale worker's call returns while the new owner's is in flight: its answer is dropped, its
     # usage counted, and its attempt (closed as WorkerLost by the takeover) left as it is.
     stale = Completion(text="late", input_tokens=1000, output_tokens=500, finish_reason="stop", model="m",
-                       latency_ms=5, cached_input_tokens=700, reasoning_tokens=200)
+                       latency_ms=5, cached_input_tokens=700, reasoning_tokens=200, cache_write_tokens=150)
     _record_success(job_id, 0, step_id, "stale#1", stale_attempt, stale,
                     {"output": "late", "input_tokens": 1000, "output_tokens": 500, "cost_usd": 0.0,
-                     "cached_input_tokens": 700, "reasoning_tokens": 200})
+                     "cached_input_tokens": 700, "reasoning_tokens": 200, "cache_write_tokens": 150})
     successor.join(30)
 
     with session_scope() as s:
@@ -75,8 +75,8 @@ def test_a_worker_that_lost_its_step_adds_its_usage_and_cannot_rewrite_its_attem
     assert step.input_tokens > 1000 and step.output_tokens > 500  # both calls' usage: neither overwrote
     assert job.status == JobStatus.SUCCEEDED and job.input_tokens == step.input_tokens
     # ... their details too (the successor's sim call reports none): the stale call's, on the step and the job
-    assert (step.cached_input_tokens, step.reasoning_tokens) == (job.cached_input_tokens, job.reasoning_tokens) == (
-        700, 200)
+    assert (step.cached_input_tokens, step.reasoning_tokens, step.cache_write_tokens) == (
+        job.cached_input_tokens, job.reasoning_tokens, job.cache_write_tokens) == (700, 200, 150)
     first = next(a for a in attempts if a.id == stale_attempt)
     assert first.error_type == "worker_lost" and first.latency_ms is None  # not rewritten by the stale worker
 

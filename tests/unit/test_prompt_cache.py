@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from conductor.budget import Spent, allowed_output_tokens, step_reservation
-from conductor.context import cache_points, worker_messages
+from conductor.context import PlannedStep, cache_points, worker_messages
 from conductor.pool.anthropic_provider import AnthropicProvider
 from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.chat_turns import to_conversation
@@ -28,8 +28,9 @@ ANSWERS = ["Plan: read each study, list its finding, then compare them in plain 
            "Verified: the summary matches the plan and the studies."]
 
 
-def points_of(index: int, lists: list[list[int]], inherited: int = 0, agents: str = "") -> tuple[int, ...]:
-    workflow = [(agents[i] if agents else "c", access) for i, access in enumerate(lists)]
+def points_of(index: int, lists: list[list[int]], inherited: int = 0, agents: str = "",
+              reused: tuple[int, ...] = ()) -> tuple[int, ...]:
+    workflow = [PlannedStep(agents[i] if agents else "c", access, i in reused) for i, access in enumerate(lists)]
     return cache_points(index, workflow, inherited=inherited)
 
 
@@ -52,6 +53,24 @@ def test_a_prefix_shared_only_with_steps_that_may_run_at_the_same_time_is_not_ma
     assert [points_of(i, moa) for i in range(9)] == [(0,), (), (), (), (0,), (0,), (0,), (0,), (0,)]
     # two steps that see nothing, nor each other: nothing to mark
     assert points_of(0, [[], []]) == ()
+
+
+def test_a_step_leaves_a_write_to_a_step_beside_it_that_writes_more_for_the_same_later_step() -> None:
+    # 2 (sees 0) and 3 (sees 0, 1) run together; 4 (sees 0-3) reads what 3 writes, which covers what 2
+    # would write for it: 2 marks only the system message, which it reads (0 wrote it)
+    lists = [[], [], [0], [0, 1], [0, 1, 2, 3]]
+    assert points_of(2, lists, agents="cdccc") == (0,)
+    assert points_of(3, lists, agents="cdccc") == (0, 4)
+    assert points_of(4, lists, agents="cdccc") == (0, 2, 4)
+
+
+def test_a_replay_reads_what_its_reused_steps_share_and_writes_what_they_no_longer_do() -> None:
+    # a replay from step 1 of [[], [], [0, 1]]: step 0 is reused (it ran in the original job) and does not
+    # run here, so step 1 writes the system message for step 2 instead of leaving it to step 0
+    lists = [[], [], [0, 1]]
+    assert points_of(1, lists) == ()  # when step 0 runs too, it writes it
+    assert points_of(1, lists, reused=(0,)) == (0,)
+    assert points_of(2, lists, reused=(0,)) == (0,)  # it reads it (and the original's write, if fresh)
 
 
 def test_a_step_before_another_through_a_step_on_another_agent_still_counts() -> None:
@@ -242,3 +261,19 @@ def test_an_anthropic_agent_without_a_cached_price_costs_a_read_at_a_tenth_of_th
     assert set_price.billing.cached_input_per_mtok == 1.0
     gpt = AgentConfig(provider="openai", model="m", price=Price(input_per_mtok=3.0))
     assert gpt.billing.cost(1000, 0, 1000) == pytest.approx(3000 / 1e6)
+
+
+def test_a_jobs_batch_line_carries_every_usage_field_of_get_job() -> None:
+    # a /v1/jobs batch line's body is GET /v1/jobs/{id}'s outcome: its usage lacked the cache writes
+    from datetime import UTC, datetime
+
+    from conductor.batches import job_result
+    from conductor.service.schemas import JobUsage
+    from conductor.store.models import Job
+
+    job = Job(tenant="t", task="x", pool="p", pool_config={}, planner="single", status="succeeded",
+              created_at=datetime.now(UTC), input_tokens=10, output_tokens=5, cached_input_tokens=4,
+              cache_write_tokens=3, reasoning_tokens=2)
+    usage = job_result(job)["usage"]
+    assert set(usage) == set(JobUsage.model_fields) - {"planner"}
+    assert (usage["cached_input_tokens"], usage["cache_write_tokens"], usage["reasoning_tokens"]) == (4, 3, 2)
