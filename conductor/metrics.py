@@ -66,16 +66,20 @@ def store_families(agg: StoreAggregates) -> Iterator[Metric]:
                                  "from their prompt caches.", labels=labels)
     reasoning = CounterMetricFamily("conductor_reasoning_tokens", "Of the output tokens, the models' reasoning.",
                                     labels=labels)
-    for tenant, role, agent, tokens_in, tokens_out, usd, tokens_cached, tokens_reasoning in agg.usage:
+    written = CounterMetricFamily("conductor_cache_write_tokens", "Of the input tokens, those the providers wrote "
+                                  "to their prompt caches.", labels=labels)
+    for tenant, role, agent, tokens_in, tokens_out, usd, tokens_cached, tokens_reasoning, tokens_written in agg.usage:
         tokens.add_metric([tenant, role, agent, "input"], int(tokens_in))
         tokens.add_metric([tenant, role, agent, "output"], int(tokens_out))
         cost.add_metric([tenant, role, agent], float(usd))
         cached.add_metric([tenant, role, agent], int(tokens_cached))
         reasoning.add_metric([tenant, role, agent], int(tokens_reasoning))
+        written.add_metric([tenant, role, agent], int(tokens_written))
     yield tokens
     yield cost
     yield cached
     yield reasoning
+    yield written
 
     retries = CounterMetricFamily("conductor_step_retries", "Provider calls beyond each step's first attempt.",
                                   labels=["tenant", "agent"])

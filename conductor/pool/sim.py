@@ -48,6 +48,8 @@ class SimOptions(BaseModel):
     """The reply for a recognised item outside ``skills`` and the scripted replies."""
     cached_input_tokens: int = Field(default=0, ge=0)
     """Of each call's input tokens, this many are reported read from a prompt cache (at most all of them)."""
+    cache_write_tokens: int = Field(default=0, ge=0)
+    """Of each call's input tokens, this many are reported written to a prompt cache (at most those not read)."""
 
 
 class SimProvider(Provider):
@@ -74,11 +76,13 @@ class SimProvider(Provider):
         if estimate_tokens(text) > options.max_tokens:  # cut off at max_tokens, as a real model is
             text, finish_reason = text[: options.max_tokens * 4], "length"
         input_tokens = sum(estimate_tokens(m.content) for m in messages)
+        cached = min(self.options.cached_input_tokens, input_tokens)
         return Completion(
             text=text,
             input_tokens=input_tokens,
             output_tokens=estimate_tokens(text),
-            cached_input_tokens=min(self.options.cached_input_tokens, input_tokens),
+            cached_input_tokens=cached,
+            cache_write_tokens=min(self.options.cache_write_tokens, input_tokens - cached),
             finish_reason=finish_reason,
             model=f"sim-{self.agent}",
             latency_ms=int((time.monotonic() - started) * 1000),

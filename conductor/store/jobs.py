@@ -383,7 +383,8 @@ def add_lost_planner_usage(session: Session, *, job_id: str, claim: int, usage: 
                        input_tokens=usage["planner_input_tokens"], output_tokens=usage["planner_output_tokens"],
                        cost_usd=usage["planner_cost_usd"],
                        cached_input_tokens=usage.get("planner_cached_input_tokens", 0),
-                       reasoning_tokens=usage.get("planner_reasoning_tokens", 0))
+                       reasoning_tokens=usage.get("planner_reasoning_tokens", 0),
+                       cache_write_tokens=usage.get("planner_cache_write_tokens", 0))
     return LostUsage(added=True, carry_up=row[0] in JobStatus.TERMINAL and row[1] is not None)
 
 
@@ -690,7 +691,7 @@ def add_unrecorded_usage(
     if ended is not None and ended[1] is not None and step is not None:
         add_late_usage(session, tenant=ended[0], series="step", labels=(step[0], step[1]), input_tokens=input_tokens,
                        output_tokens=output_tokens, cost_usd=cost_usd, cached_input_tokens=cached_input_tokens,
-                       reasoning_tokens=reasoning_tokens)
+                       reasoning_tokens=reasoning_tokens, cache_write_tokens=cache_write_tokens)
     return ended is not None
 
 

@@ -74,9 +74,9 @@ class StoreAggregates:
     """(tenant, status, jobs) for every job, child jobs included."""
     steps: list[tuple[str, str, str, int]] = field(default_factory=list)
     """(tenant, agent, status, steps)."""
-    usage: list[tuple[str, str, str, int, int, float, int, int]] = field(default_factory=list)
+    usage: list[tuple[str, str, str, int, int, float, int, int, int]] = field(default_factory=list)
     """(tenant, role 'planner' | 'worker', agent, input tokens, output tokens, cost USD, cached input tokens,
-    reasoning tokens)."""
+    reasoning tokens, cache-write tokens)."""
     retries: list[tuple[str, str, int]] = field(default_factory=list)
     """(tenant, agent, attempts beyond each step's first)."""
     attempts: list[tuple[str, str, str, int]] = field(default_factory=list)
@@ -101,7 +101,8 @@ class _Series:
 
 
 LATENCY_COLUMNS = tuple(latency_bucket_column(b) for b in LATENCY_BUCKETS_S)
-USAGE_VALUES = ("input_tokens", "output_tokens", "cost_usd", "cached_input_tokens", "reasoning_tokens")
+USAGE_VALUES = ("input_tokens", "output_tokens", "cost_usd", "cached_input_tokens", "reasoning_tokens",
+                "cache_write_tokens")
 JOBS = _Series("job", 2, ("n", *USAGE_VALUES, "resends", "redrives"))
 """(tenant, status, planner): jobs, planner usage, plan re-sends, plannings re-driven."""
 STEPS = _Series("step", 2, ("n", *USAGE_VALUES, "retries", "resends", "latency_count", "latency_ms", *LATENCY_COLUMNS))
@@ -192,7 +193,7 @@ def _job_scan(jobs: Any) -> Any:
         col(Job.tenant), col(Job.status), col(Job.planner), sa.func.count(),
         _sum(col(Job.planner_input_tokens)), _sum(col(Job.planner_output_tokens)), _sum(col(Job.planner_cost_usd)),
         _sum(col(Job.planner_cached_input_tokens)), _sum(col(Job.planner_reasoning_tokens)),
-        _sum(col(Job.plan_resends)), _sum(redrives),
+        _sum(col(Job.planner_cache_write_tokens)), _sum(col(Job.plan_resends)), _sum(redrives),
     ).where(jobs).group_by(col(Job.tenant), col(Job.status), col(Job.planner))
 
 
@@ -218,7 +219,7 @@ def _step_scan(jobs: Any) -> Any:
         sa.select(
             col(Job.tenant), col(Step.agent), col(Step.status), sa.func.count(),
             _sum(col(Step.input_tokens)), _sum(col(Step.output_tokens)), _sum(col(Step.cost_usd)),
-            _sum(col(Step.cached_input_tokens)), _sum(col(Step.reasoning_tokens)),
+            _sum(col(Step.cached_input_tokens)), _sum(col(Step.reasoning_tokens)), _sum(col(Step.cache_write_tokens)),
             _sum(retries), _sum(col(Step.resends)), sa.func.count(ms), _sum(ms), *buckets,
         )
         .select_from(sa.join(Step, Job, col(Step.job_id) == col(Job.id)))
@@ -255,7 +256,7 @@ def _add_steps(agg: StoreAggregates, rows: Any) -> None:
 
 def _no_usage() -> list[float]:
     """Sums of ``USAGE_VALUES``, none yet."""
-    return [0, 0, 0.0, 0, 0]
+    return [0.0 if name == "cost_usd" else 0 for name in USAGE_VALUES]
 
 
 def _add_usage(totals: list[float], values: Sequence[Any]) -> None:
@@ -264,9 +265,10 @@ def _add_usage(totals: list[float], values: Sequence[Any]) -> None:
         totals[i] += float(v) if USAGE_VALUES[i] == "cost_usd" else int(v)
 
 
-def _usage_row(tenant: str, role: str, agent: str, v: list[float]) -> tuple[str, str, str, int, int, float, int, int]:
+def _usage_row(tenant: str, role: str, agent: str,
+               v: list[float]) -> tuple[str, str, str, int, int, float, int, int, int]:
     """A ``StoreAggregates.usage`` row from the sums of ``USAGE_VALUES``."""
-    return (tenant, role, agent, int(v[0]), int(v[1]), float(v[2]), int(v[3]), int(v[4]))
+    return (tenant, role, agent, int(v[0]), int(v[1]), float(v[2]), int(v[3]), int(v[4]), int(v[5]))
 
 
 def _webhook_deliveries(deliveries: Any) -> Any:
@@ -411,14 +413,15 @@ def _mark(session: Session, model: type[Job] | type[WebhookDelivery], ids: list[
 
 def add_late_usage(session: Session, *, tenant: str, series: str, labels: tuple[str, str],
                    input_tokens: int, output_tokens: int, cost_usd: float, cached_input_tokens: int = 0,
-                   reasoning_tokens: int = 0) -> None:
+                   reasoning_tokens: int = 0, cache_write_tokens: int = 0) -> None:
     """Usage written to a job already folded (a call that returned after the rollup took its job: a worker
     that lost its lease, a planning re-driven past ``metrics_abandoned_s``) is added to the rollup too, in
     the caller's transaction: the scrape no longer reads that job's rows. ``series`` is ``step`` (labels
     agent, status) or ``job`` (status, planner: the planner's usage)."""
     row = dict.fromkeys(ROLLUP_VALUES, 0) | {
         "input_tokens": int(input_tokens), "output_tokens": int(output_tokens), "cost_usd": float(cost_usd),
-        "cached_input_tokens": int(cached_input_tokens), "reasoning_tokens": int(reasoning_tokens)}
+        "cached_input_tokens": int(cached_input_tokens), "reasoning_tokens": int(reasoning_tokens),
+        "cache_write_tokens": int(cache_write_tokens)}
     _upsert(session, [{"tenant": tenant, "series": series, "label_a": labels[0], "label_b": labels[1], **row}])
 
 

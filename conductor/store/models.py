@@ -465,6 +465,7 @@ METRICS_ROLLUP = sa.Table(
     sa.Column("cost_usd", sa.Float(), nullable=False),
     sa.Column("cached_input_tokens", sa.BigInteger(), nullable=False, server_default="0"),
     sa.Column("reasoning_tokens", sa.BigInteger(), nullable=False, server_default="0"),
+    sa.Column("cache_write_tokens", sa.BigInteger(), nullable=False, server_default="0"),
     sa.Column("retries", sa.BigInteger(), nullable=False),
     sa.Column("resends", sa.BigInteger(), nullable=False),
     sa.Column("redrives", sa.BigInteger(), nullable=False),

@@ -113,7 +113,8 @@ def assert_store_series(got: Samples) -> None:
         cost[L(tenant=j.tenant, role="planner", agent=j.planner)] += j.planner_cost_usd
     assert series(got, "conductor_tokens_total") == tokens
     for name, column in (("conductor_cached_input_tokens_total", "cached_input_tokens"),
-                         ("conductor_reasoning_tokens_total", "reasoning_tokens")):
+                         ("conductor_reasoning_tokens_total", "reasoning_tokens"),
+                         ("conductor_cache_write_tokens_total", "cache_write_tokens")):
         details: dict[tuple[tuple[str, str], ...], float] = defaultdict(float)
         for st in worker_steps:
             details[L(tenant=tenant_of[st.job_id], role="worker", agent=st.agent)] += getattr(st, column)
@@ -121,6 +122,7 @@ def assert_store_series(got: Samples) -> None:
             details[L(tenant=j.tenant, role="planner", agent=j.planner)] += getattr(j, f"planner_{column}")
         assert series(got, name) == details, name
     assert series(got, "conductor_cached_input_tokens_total")[L(tenant="tenant-a", role="worker", agent="d")] >= 4
+    assert series(got, "conductor_cache_write_tokens_total")[L(tenant="tenant-a", role="worker", agent="d")] >= 2
     assert sum(tokens.values()) > 0
     assert series(got, "conductor_cost_usd_total") == pytest.approx(cost)
     assert sum(cost.values()) > 0

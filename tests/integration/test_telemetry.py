@@ -85,6 +85,7 @@ def test_each_step_span_carries_the_genai_attributes_of_its_row(exporter: InMemo
         assert a["gen_ai.usage.input_tokens"] == st.input_tokens > 0
         assert a["gen_ai.usage.output_tokens"] == st.output_tokens > 0
         assert a["gen_ai.usage.cache_read.input_tokens"] == st.cached_input_tokens == (4 if st.agent == "d" else 0)
+        assert a["gen_ai.usage.cache_creation.input_tokens"] == st.cache_write_tokens == (2 if st.agent == "d" else 0)
         assert a["conductor.usage.reasoning_tokens"] == st.reasoning_tokens
         assert a["conductor.step.access_list"] == tuple(st.access_list)
         assert "gen_ai.input.messages" not in a and "gen_ai.output.messages" not in a  # no content by default

@@ -84,12 +84,14 @@ def test_the_viewer_draws_a_finished_diamond_job(browser: BrowserContext, api: s
     cards = page.locator("article.step")
     assert cards.count() == 4
     for st, card in zip(steps, cards.all(), strict=True):
-        cached = f" ({st.cached_input_tokens} cached)" if st.cached_input_tokens else ""  # agent d reports some
+        # agent d reports a cache read and a write
+        details = f"{st.cached_input_tokens} cached, {st.cache_write_tokens} written to cache"
+        cached = f" ({details})" if st.cached_input_tokens else ""
         assert card.locator("dd.tokens").inner_text() == f"{st.input_tokens} in{cached} / {st.output_tokens} out"
         assert card.locator("dd.cost").inner_text() == f"${st.cost_usd:.6f}"
         shown = [m.text_content() for m in card.locator(".message pre").all()]
         assert shown == [m["content"] for m in st.messages or []]  # exactly what the worker saw
-    assert [st.cached_input_tokens for st in steps] == [0, 0, 0, 4]  # the join (d): shown apart above
+    assert [(st.cached_input_tokens, st.cache_write_tokens) for st in steps] == [(0, 0), (0, 0), (0, 0), (4, 2)]
 
     assert page.evaluate("window.__xss") is None  # no injected script or handler ran
     assert page.locator("pre.task").inner_text() == XSS_TASK

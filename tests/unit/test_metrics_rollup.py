@@ -74,12 +74,13 @@ def add_job(tenant: str, status: str, *, ended_ago_s: float | None = 2 * HOUR, p
                   plan_claims=plan_claims, plan_resends=plan_resends, parent_job_id=parent,
                   planner_input_tokens=100 + len(steps), planner_output_tokens=7, planner_cost_usd=0.001,
                   planner_cached_input_tokens=60 + len(steps), planner_reasoning_tokens=2,
+                  planner_cache_write_tokens=5 + len(steps),
                   planned_at=now if planned else None, finished_at=ended))
         s.flush()
         for index, (agent, step_status, latency_ms, attempts) in enumerate(steps):
             step = Step(job_id=job_id, index=index, agent=agent, instruction="x", status=step_status,
                         input_tokens=10 * (index + 1), output_tokens=3, cost_usd=0.0001 * (index + 1),
-                        cached_input_tokens=4 * (index + 1), reasoning_tokens=1,
+                        cached_input_tokens=4 * (index + 1), reasoning_tokens=1, cache_write_tokens=index + 2,
                         latency_ms=latency_ms, attempts=len(attempts) + (open_attempt and index == 0),
                         resends=index % 2)
             s.add(step)
@@ -253,10 +254,12 @@ def test_usage_paid_after_its_job_was_folded_reaches_the_scrape(settings: Settin
     with session_scope() as s:
         step_id = s.exec(select(Step.id).where(Step.job_id == job_id)).one()
         assert store.add_unrecorded_usage(s, step_id=step_id, job_id=job_id, input_tokens=1000, output_tokens=50,
-                                          cost_usd=0.25, cached_input_tokens=600, reasoning_tokens=30)
+                                          cost_usd=0.25, cached_input_tokens=600, reasoning_tokens=30,
+                                          cache_write_tokens=200)
         assert store.add_lost_planner_usage(s, job_id=job_id, claim=7, usage={
             "planner_input_tokens": 400, "planner_output_tokens": 20, "planner_cost_usd": 0.5,
-            "planner_calls": 1, "planner_cached_input_tokens": 300, "planner_reasoning_tokens": 9}).added
+            "planner_calls": 1, "planner_cached_input_tokens": 300, "planner_reasoning_tokens": 9,
+            "planner_cache_write_tokens": 50}).added
     after = scrape("tenant-a")
     worker = ("conductor_tokens_total", (("agent", "b"), ("direction", "input"), ("role", "worker"),
                                          ("tenant", "tenant-a")))
@@ -265,7 +268,8 @@ def test_usage_paid_after_its_job_was_folded_reaches_the_scrape(settings: Settin
     assert after[worker] == before[worker] + 1000
     assert after[planner] == before[planner] + 400
     for name, worker_added, planner_added in (("conductor_cached_input_tokens_total", 600, 300),
-                                              ("conductor_reasoning_tokens_total", 30, 9)):
+                                              ("conductor_reasoning_tokens_total", 30, 9),
+                                              ("conductor_cache_write_tokens_total", 200, 50)):
         worker_series = (name, (("agent", "b"), ("role", "worker"), ("tenant", "tenant-a")))
         planner_series = (name, (("agent", "template:single"), ("role", "planner"), ("tenant", "tenant-a")))
         assert after[worker_series] == before[worker_series] + worker_added
