@@ -49,20 +49,28 @@ def words(messages: list[dict[str, str]]) -> int:
     return sum(count_words(m["content"]) for m in messages if m["content"].strip())
 
 
-def test_later_steps_read_the_prefixes_earlier_steps_wrote(client: httpx.Client, pools_dir: Path) -> None:
-    with FakeOpenAIServer(reply=planner) as plans, \
+def run_job(client: httpx.Client, pools_dir: Path, plan: Any, pool_name: str,
+            limits: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Any]]:
+    """A job on a pool whose planner (a loopback OpenAI-compatible server answering ``plan``) plans for one
+    Claude agent on the loopback Anthropic server with its cache model: the ended job and the request bodies
+    the Claude agent was sent."""
+    with FakeOpenAIServer(reply=plan) as plans, \
             FakeAnthropicServer(api_key=ANTHROPIC_TEST_KEY, prompt_cache_min_tokens=10) as claude:
         claude.reply_with(worker_reply(claude))
         pool = {"planner": "planner", "fallback": "template:single", "agents": {
             "planner": {"provider": "openai_compatible", "model": "conductor", "base_url": plans.base_url},
             "claude": {"provider": "anthropic", "model": "claude-test", "base_url": claude.base_url,
                        "api_key_env": ANTHROPIC_KEY_ENV, "price": PRICE}}}
-        (pools_dir / "prompt-cache.yaml").write_text(yaml.safe_dump(pool))
+        (pools_dir / f"{pool_name}.yaml").write_text(yaml.safe_dump(pool))
         created = client.post("/v1/jobs", json={"task": "Is it wise to sleep before an exam rather than study?",
-                                                "pool": "prompt-cache"})
+                                                "pool": pool_name, "limits": limits or {}})
         assert created.status_code == 202, created.text
         job = wait_terminal(client, created.json()["id"])
-        bodies = claude.bodies
+        return job, claude.bodies
+
+
+def test_later_steps_read_the_prefixes_earlier_steps_wrote(client: httpx.Client, pools_dir: Path) -> None:
+    job, bodies = run_job(client, pools_dir, planner, "prompt-cache")
     assert job["status"] == "succeeded", job
     steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
     assert [s["output"] for s in steps] == ANSWERS
@@ -109,18 +117,7 @@ def nested_planner(body: Any) -> OpenAIReply:
 
 def test_a_child_jobs_cache_writes_reach_its_recursive_step_and_the_job(client: httpx.Client,
                                                                         pools_dir: Path) -> None:
-    with FakeOpenAIServer(reply=nested_planner) as plans, \
-            FakeAnthropicServer(api_key=ANTHROPIC_TEST_KEY, prompt_cache_min_tokens=10) as claude:
-        claude.reply_with(worker_reply(claude))
-        pool = {"planner": "planner", "fallback": "template:single", "agents": {
-            "planner": {"provider": "openai_compatible", "model": "conductor", "base_url": plans.base_url},
-            "claude": {"provider": "anthropic", "model": "claude-test", "base_url": claude.base_url,
-                       "api_key_env": ANTHROPIC_KEY_ENV, "price": PRICE}}}
-        (pools_dir / "prompt-cache-nested.yaml").write_text(yaml.safe_dump(pool))
-        created = client.post("/v1/jobs", json={"task": "Is it wise to sleep before an exam rather than study?",
-                                                "pool": "prompt-cache-nested", "limits": {"max_depth": 1}})
-        assert created.status_code == 202, created.text
-        job = wait_terminal(client, created.json()["id"])
+    job, _ = run_job(client, pools_dir, nested_planner, "prompt-cache-nested", limits={"max_depth": 1})
     assert job["status"] == "succeeded", job
     steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
     child_steps = client.get(f"/v1/jobs/{steps[0]['child_job_id']}/steps").json()["data"]
