@@ -7,8 +7,10 @@ Prompt caching: Anthropic caches a prompt prefix only where a request marks one 
 agent option ``prompt_cache`` (on unless set to false) each call marks the ends of the prefixes another step of
 its job on the same agent sends too (``CallOptions.cache_points``, from the workflow's access lists): the later
 of two such calls reads at a tenth of the input price what the earlier one wrote at 1.25 times it (the
-5-minute cache; a prefix shorter than the model's minimum, 1,024 tokens or more, is neither). A prefix no
-other step sends is never marked. A call that marks any sends all its content as text blocks (the form a
+5-minute cache; a prefix shorter than the model's minimum, 1,024 tokens or more, is neither). With
+``prompt_cache_ttl: 1h`` the marks ask for the one-hour cache (``"ttl": "1h"`` and the ``anthropic-beta``
+header that enables it), whose writes cost twice the input price. A prefix no other step sends is never
+marked. A call that marks any sends all its content as text blocks (the form a
 marker needs), so every call that reads or writes a prefix sends it alike.
 
 Usage: Anthropic's ``usage.input_tokens`` counts only the prompt tokens after the last cache breakpoint;
@@ -16,16 +18,16 @@ the tokens read from the prompt cache (``cache_read_input_tokens``) and written 
 (``cache_creation_input_tokens``) are reported apart. ``Completion.input_tokens`` is every prompt token, as
 OpenAI counts it: the three added. Of them, ``cached_input_tokens`` are the cache reads (priced at the
 agent's ``cached_input_per_mtok``) and ``cache_write_tokens`` the writes (at ``cache_write_per_mtok``, by
-default 1.25 times the input price, the 5-minute cache's rate). ``reasoning_tokens`` are
-``usage.output_tokens_details.thinking_tokens`` (part of ``output_tokens``), 0 when not sent or not a count:
-a detail never fails a call that answered.
+default the rate of the cache the agent asks for: 1.25 times the input price, twice it for ``1h``).
+``reasoning_tokens`` are ``usage.output_tokens_details.thinking_tokens`` (part of ``output_tokens``), 0 when
+not sent or not a count: a detail never fails a call that answered.
 """
 
 from __future__ import annotations
 
 import time
 from functools import cached_property
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import anthropic
 from anthropic.types import Message as AnthropicMessage
@@ -58,17 +60,23 @@ class AnthropicOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt_cache: bool = Field(default=True, strict=True)
     """Mark the prompt prefixes other steps of the job send too for Anthropic's prompt cache."""
+    prompt_cache_ttl: Literal["5m", "1h"] = "5m"
+    """How long Anthropic keeps a prefix a call writes (each read renews it): ``5m``, writes at 1.25 times the
+    input price, or ``1h``, at twice it, for jobs whose steps start more than five minutes after the step
+    that wrote what they read (a long step between them, a slow queue)."""
 
 
-_EPHEMERAL = {"type": "ephemeral"}
+EXTENDED_CACHE_TTL_BETA = "extended-cache-ttl-2025-04-11"
+"""The ``anthropic-beta`` value a request marking a one-hour cache sends: without it the API keeps the prefix
+five minutes (it does not refuse the request)."""
 MAX_CACHE_MARKERS = 4
 """The most ``cache_control`` markers a request may carry (the API refuses more): the longest are kept."""
 
 
-def _block(text: str, cached: bool) -> dict[str, Any]:
+def _block(text: str, cache_control: dict[str, str] | None) -> dict[str, Any]:
     block: dict[str, Any] = {"type": "text", "text": text}
-    if cached:
-        block["cache_control"] = _EPHEMERAL
+    if cache_control is not None:
+        block["cache_control"] = dict(cache_control)
     return block
 
 
@@ -99,10 +107,15 @@ class AnthropicProvider(Provider):
         turns: list[dict[str, Any]] = [{"role": t.role, "content": t.text} for t in conversation.turns]
         ends = {conversation.ending_at(p, messages) for p in options.cache_points if p < len(messages)}
         marks = set(sorted(end for end in ends if end is not None)[-MAX_CACHE_MARKERS:])
+        headers: dict[str, str] = {}
         if self.options.prompt_cache and marks:  # a call with no marker neither reads nor writes the cache
+            ttl = self.options.prompt_cache_ttl
+            mark = {"type": "ephemeral"} if ttl == "5m" else {"type": "ephemeral", "ttl": ttl}
+            if ttl == "1h":
+                headers["anthropic-beta"] = EXTENDED_CACHE_TTL_BETA
             if conversation.system is not None:
-                system = [_block(conversation.system, -1 in marks)]
-            turns = [{"role": t.role, "content": [_block(t.text, n in marks)]}
+                system = [_block(conversation.system, mark if -1 in marks else None)]
+            turns = [{"role": t.role, "content": [_block(t.text, mark if n in marks else None)]}
                      for n, t in enumerate(conversation.turns)]
         started = time.monotonic()
         try:
@@ -113,6 +126,7 @@ class AnthropicProvider(Provider):
                 system=system,
                 output_config=self._output_config(options),
                 timeout=options.timeout_s,
+                extra_headers=headers or None,
             )
         except (anthropic.AnthropicError, ValueError) as exc:
             raise self._error(exc, options, api_key) from None

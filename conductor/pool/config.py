@@ -34,7 +34,10 @@ class PoolError(ValueError):
 
 CACHE_WRITE_FACTOR = 1.25
 """A prompt-cache write's price over the input price when the pool gives none: Anthropic's rate for its
-5-minute cache, the one the Anthropic provider asks for (the only provider that reports writes)."""
+5-minute cache, the one the Anthropic provider asks for by default (the only provider that reports writes)."""
+ANTHROPIC_CACHE_WRITE_1H_FACTOR = 2.0
+"""An Anthropic one-hour prompt-cache write's price over the input price: an ``anthropic`` agent's unset
+``cache_write_per_mtok`` when its option ``prompt_cache_ttl`` is ``1h`` (``AgentConfig.billing``)."""
 ANTHROPIC_CACHE_READ_FACTOR = 0.1
 """An Anthropic prompt-cache read's price over the input price, for every Claude model: an ``anthropic``
 agent's unset ``cached_input_per_mtok`` (``AgentConfig.billing``). Other providers' rates differ by model."""
@@ -117,12 +120,18 @@ class AgentConfig(BaseModel):
     @property
     def billing(self) -> Price:
         """The prices its calls are costed at: ``price``, with an ``anthropic`` agent's unset cached-input price
-        at Anthropic's rate (``ANTHROPIC_CACHE_READ_FACTOR``); elsewhere an unset one is the input price."""
+        at Anthropic's rate (``ANTHROPIC_CACHE_READ_FACTOR``; elsewhere an unset one is the input price) and its
+        unset cache-write price at the one-hour cache's rate when it asks for that cache
+        (``ANTHROPIC_CACHE_WRITE_1H_FACTOR``; otherwise ``CACHE_WRITE_FACTOR``, ``Price.write_per_mtok``)."""
         price = self.price
-        if self.provider == "anthropic" and price.cached_input_per_mtok is None:
-            read = price.input_per_mtok * ANTHROPIC_CACHE_READ_FACTOR
-            return price.model_copy(update={"cached_input_per_mtok": read})
-        return price
+        if self.provider != "anthropic":
+            return price
+        update: dict[str, float] = {}
+        if price.cached_input_per_mtok is None:
+            update["cached_input_per_mtok"] = price.input_per_mtok * ANTHROPIC_CACHE_READ_FACTOR
+        if price.cache_write_per_mtok is None and self.options.get("prompt_cache_ttl") == "1h":
+            update["cache_write_per_mtok"] = price.input_per_mtok * ANTHROPIC_CACHE_WRITE_1H_FACTOR
+        return price.model_copy(update=update) if update else price
 
     def bucket(self, name: str) -> str:
         """The rate-limit bucket of this agent, known in its pool as ``name``."""

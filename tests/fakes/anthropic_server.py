@@ -12,6 +12,12 @@ More than 4 markers are refused, as the API does. Tokens are the fakes' word cou
 returns. Inside ``held_writes()`` a request's writes are readable only after the block ends: calls sent
 together (a workflow's parallel steps) do not read each other's, as Anthropic's cache is readable only once
 a response has begun.
+
+Lifetimes: a prefix lives 5 minutes from its write, or one hour when its marker says ``"ttl": "1h"`` and the
+request sends the ``anthropic-beta`` value that enables it (without it the API keeps it 5 minutes and does not
+say so); each read renews it. Time is ``clock()`` (``time.monotonic`` unless given). A ``ttl`` other than
+``5m``/``1h``, or a ``1h`` marker after a ``5m`` one, is refused as the API does. ``usage.cache_creation``
+splits the writes by lifetime.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,19 +72,30 @@ class AnthropicReply(Reply):
 
 MAX_CACHE_MARKERS = 4
 LOOKBACK_BLOCKS = 20
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+EXTENDED_CACHE_TTL_BETA = "extended-cache-ttl-2025-04-11"
 
 
-def _blocks(body: dict[str, Any]) -> list[tuple[str, str, bool]]:
-    """(role, text, marked) of every prompt block in order: the system's, then each message's."""
-    out: list[tuple[str, str, bool]] = []
+def _ttl(block: dict[str, Any]) -> str | None:
+    """A block's cache lifetime as its marker asks (``5m`` unless it says), None when unmarked."""
+    control = block.get("cache_control")
+    if control is None:
+        return None
+    return str(control.get("ttl", "5m")) if isinstance(control, dict) else "5m"
+
+
+def _blocks(body: dict[str, Any]) -> list[tuple[str, str, str | None]]:
+    """(role, text, the marker's ttl or None) of every prompt block in order: the system's, then each
+    message's."""
+    out: list[tuple[str, str, str | None]] = []
 
     def add(role: str, content: Any) -> None:
         if isinstance(content, str):
-            out.append((role, content, False))
+            out.append((role, content, None))
         elif isinstance(content, list):
             for block in content:
                 if isinstance(block, dict) and block.get("type") == "text":
-                    out.append((role, str(block.get("text", "")), "cache_control" in block))
+                    out.append((role, str(block.get("text", "")), _ttl(block)))
 
     add("system", body.get("system"))
     for message in body.get("messages") or []:
@@ -90,62 +108,83 @@ class FakeAnthropicServer(FakeProviderServer):
     route = re.compile(r"^/v1/messages$")
 
     def __init__(self, *args: Any, prompt_cache_min_tokens: int | None = None,
-                 count: Callable[[str], int] = count_words, **kwargs: Any):
+                 count: Callable[[str], int] = count_words, clock: Callable[[], float] = time.monotonic,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.prompt_cache_min_tokens = prompt_cache_min_tokens
         self.count = count
-        self._cache: set[str] = set()
-        self._held: set[str] | None = None
+        self.clock = clock
+        self._cache: dict[str, float] = {}
+        """Prefix key -> its lifetime in seconds, by the time it was last written or read."""
+        self._touched: dict[str, float] = {}
+        self._held: dict[str, float] | None = None
         self._cache_lock = threading.Lock()
 
     def clear_cache(self) -> None:
         with self._cache_lock:
             self._cache.clear()
+            self._touched.clear()
 
     @contextmanager
     def held_writes(self) -> Iterator[None]:
         with self._cache_lock:
-            self._held = set()
+            self._held = {}
         try:
             yield
         finally:
             with self._cache_lock:
-                self._cache |= self._held or set()
+                now = self.clock()
+                for key, lifetime in (self._held or {}).items():
+                    self._cache[key], self._touched[key] = lifetime, now
                 self._held = None
 
-    def _cached_usage(self, body: dict[str, Any]) -> dict[str, int]:
+    def _live(self, key: str, now: float) -> bool:
+        return key in self._cache and now - self._touched[key] < self._cache[key]
+
+    def _cached_usage(self, request: RecordedRequest, body: dict[str, Any]) -> dict[str, Any]:
         """Reads, writes and the rest of the prompt, by the module docstring's rules."""
         assert self.prompt_cache_min_tokens is not None
+        extended = EXTENDED_CACHE_TTL_BETA in request.headers.get("anthropic-beta", "").split(",")
         blocks = _blocks(body)
         sizes = [self.count(text) if text.strip() else 0 for _, text, _ in blocks]
         keys, digest = [], hashlib.sha256()
         for role, text, _ in blocks:
             digest.update(json.dumps([role, text]).encode())
             keys.append(digest.copy().hexdigest())
-        marks = [i for i, (_, _, marked) in enumerate(blocks) if marked]
+        marks = [(i, ttl if ttl == "1h" and extended else "5m") for i, (_, _, ttl) in enumerate(blocks) if ttl]
         total = sum(sizes)
         with self._cache_lock:
+            now = self.clock()
             read_to = -1
-            for mark in marks:
+            for mark, _ in marks:
                 for i in range(mark, max(-1, mark - LOOKBACK_BLOCKS), -1):
-                    if keys[i] in self._cache:
+                    if self._live(keys[i], now):
                         read_to = max(read_to, i)
                         break
+            if read_to >= 0:
+                self._touched[keys[read_to]] = now
             read = sum(sizes[:read_to + 1])
-            written = 0
-            for mark in marks:
-                if mark > read_to and sum(sizes[:mark + 1]) >= self.prompt_cache_min_tokens:
-                    (self._cache if self._held is None else self._held).add(keys[mark])
-                    written = sum(sizes[:mark + 1]) - read
-        return {"input_tokens": total - read - written, "cache_read_input_tokens": read,
-                "cache_creation_input_tokens": written}
+            written = {"5m": 0, "1h": 0}
+            for mark, ttl in marks:
+                prefix = sum(sizes[:mark + 1])
+                if mark > read_to and prefix >= self.prompt_cache_min_tokens:
+                    if self._held is None:
+                        self._cache[keys[mark]], self._touched[keys[mark]] = TTL_SECONDS[ttl], now
+                    else:
+                        self._held[keys[mark]] = TTL_SECONDS[ttl]
+                    written[ttl] += prefix - read - sum(written.values())
+        creation = sum(written.values())
+        return {"input_tokens": total - read - creation, "cache_read_input_tokens": read,
+                "cache_creation_input_tokens": creation,
+                "cache_creation": {"ephemeral_5m_input_tokens": written["5m"],
+                                   "ephemeral_1h_input_tokens": written["1h"]}}
 
     def success_body(self, request: RecordedRequest, match: re.Match[str], reply: Reply, text: str) -> Any:
         body = request.body if isinstance(request.body, dict) else {}
         input_tokens = reply.input_tokens
-        cached: dict[str, int] = {}
+        cached: dict[str, Any] = {}
         if self.prompt_cache_min_tokens is not None and input_tokens is None:
-            cached = self._cached_usage(body)
+            cached = self._cached_usage(request, body)
             input_tokens = cached.pop("input_tokens")
         if input_tokens is None:
             input_tokens = sum(self.count(t) for _, t, _ in _blocks(body) if t.strip())
@@ -186,10 +225,15 @@ class FakeAnthropicServer(FakeProviderServer):
         found = body.get("messages") if isinstance(body, dict) else None
         messages: list[Any] = found if isinstance(found, list) else []
         blocks = _blocks(body) if isinstance(body, dict) else []
-        if sum(marked for _, _, marked in blocks) > MAX_CACHE_MARKERS:
+        ttls = [ttl for _, _, ttl in blocks if ttl is not None]
+        if len(ttls) > MAX_CACHE_MARKERS:
             return f"A maximum of {MAX_CACHE_MARKERS} blocks with cache_control may be provided."
-        if any(marked and not text for _, text, marked in blocks):
+        if any(ttl is not None and not text for _, text, ttl in blocks):
             return "cache_control cannot be set for empty text blocks"
+        if any(ttl not in TTL_SECONDS for ttl in ttls):
+            return "cache_control.ttl: Input should be '5m' or '1h'"
+        if any(a == "5m" and b == "1h" for i, a in enumerate(ttls) for b in ttls[i + 1:]):
+            return "a ttl='1h' cache_control block must not come after a ttl='5m' cache_control block"
         for i, message in enumerate(messages):
             final_assistant = i == len(messages) - 1 and message.get("role") == "assistant"
             texts = [t for _, t, _ in _blocks({"messages": [message]})]

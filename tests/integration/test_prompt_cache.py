@@ -6,6 +6,7 @@ cost show what the cache saved: the later steps read the prefixes the earlier on
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from conductor.store import jobs as store
 from conductor.store.db import session_scope
 from conductor.trace import render_trace
 from tests.fakes.anthropic_server import FakeAnthropicServer, Reply, _blocks, ok
-from tests.fakes.http_base import count_words
+from tests.fakes.http_base import RecordedRequest, count_words
 from tests.fakes.openai_server import FakeOpenAIServer, OpenAIReply
 from tests.integration.conftest import ANTHROPIC_KEY_ENV, ANTHROPIC_TEST_KEY
 from tests.integration.harness import wait_terminal
@@ -49,28 +50,42 @@ def words(messages: list[dict[str, str]]) -> int:
     return sum(count_words(m["content"]) for m in messages if m["content"].strip())
 
 
+class SlowClock:
+    """The loopback server's clock, ``step_s`` later at each request: as if each step ran that long."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
 def run_job(client: httpx.Client, pools_dir: Path, plan: Any, pool_name: str,
-            limits: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Any]]:
+            limits: dict[str, Any] | None = None, options: dict[str, Any] | None = None,
+            clock: SlowClock | None = None) -> tuple[dict[str, Any], list[RecordedRequest]]:
     """A job on a pool whose planner (a loopback OpenAI-compatible server answering ``plan``) plans for one
-    Claude agent on the loopback Anthropic server with its cache model: the ended job and the request bodies
-    the Claude agent was sent."""
+    Claude agent (``options``) on the loopback Anthropic server with its cache model: the ended job and the
+    requests the Claude agent was sent."""
     with FakeOpenAIServer(reply=plan) as plans, \
-            FakeAnthropicServer(api_key=ANTHROPIC_TEST_KEY, prompt_cache_min_tokens=10) as claude:
+            FakeAnthropicServer(api_key=ANTHROPIC_TEST_KEY, prompt_cache_min_tokens=10,
+                                clock=clock or time.monotonic) as claude:
         claude.reply_with(worker_reply(claude))
         pool = {"planner": "planner", "fallback": "template:single", "agents": {
             "planner": {"provider": "openai_compatible", "model": "conductor", "base_url": plans.base_url},
             "claude": {"provider": "anthropic", "model": "claude-test", "base_url": claude.base_url,
-                       "api_key_env": ANTHROPIC_KEY_ENV, "price": PRICE}}}
+                       "api_key_env": ANTHROPIC_KEY_ENV, "price": PRICE, "options": options or {}}}}
         (pools_dir / f"{pool_name}.yaml").write_text(yaml.safe_dump(pool))
         created = client.post("/v1/jobs", json={"task": "Is it wise to sleep before an exam rather than study?",
                                                 "pool": pool_name, "limits": limits or {}})
         assert created.status_code == 202, created.text
         job = wait_terminal(client, created.json()["id"])
-        return job, claude.bodies
+        return job, claude.requests
 
 
 def test_later_steps_read_the_prefixes_earlier_steps_wrote(client: httpx.Client, pools_dir: Path) -> None:
-    job, bodies = run_job(client, pools_dir, planner, "prompt-cache")
+    job, requests = run_job(client, pools_dir, planner, "prompt-cache")
+    bodies = [r.body for r in requests]
     assert job["status"] == "succeeded", job
     steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
     assert [s["output"] for s in steps] == ANSWERS
@@ -130,3 +145,28 @@ def test_a_child_jobs_cache_writes_reach_its_recursive_step_and_the_job(client: 
         child_system, child_system)
     assert (steps[1]["usage"]["cached_input_tokens"], steps[1]["usage"]["cache_write_tokens"]) == (0, 0)
     assert (job["usage"]["cached_input_tokens"], job["usage"]["cache_write_tokens"]) == (child_system, child_system)
+
+
+@pytest.mark.parametrize("ttl", ["5m", "1h"])
+def test_steps_seven_minutes_apart_read_an_hours_cache_and_miss_five_minutes(
+        client: httpx.Client, pools_dir: Path, ttl: str) -> None:
+    # each request reaches the loopback server 7 minutes after the one before (its clock), as if each step
+    # ran that long: the 5-minute cache is gone by the next step, the one-hour one (the pool's option, through
+    # the job's snapshot to the workers) is read, and its writes cost twice the input price
+    job, requests = run_job(client, pools_dir, planner, f"prompt-cache-{ttl}", options={"prompt_cache_ttl": ttl},
+                            clock=SlowClock(420.0))
+    assert job["status"] == "succeeded", job
+    steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
+    system = words(steps[0]["messages"][:1])
+    plan_turn = words(steps[1]["messages"][1:3])
+    if ttl == "1h":
+        expected, write_price = [(0, system), (system, plan_turn), (system + plan_turn, 0)], 6.0
+    else:  # nothing left to read: each step writes its whole shared prefix again
+        expected, write_price = [(0, system), (0, system + plan_turn), (0, system + plan_turn)], 3.75
+    for step, (read, written) in zip(steps, expected, strict=True):
+        usage, prompt = step["usage"], words(step["messages"])
+        assert (usage["cached_input_tokens"], usage["cache_write_tokens"]) == (read, written), step
+        cost = ((prompt - read - written) * 3.0 + read * 0.3 + written * write_price + 10 * 15.0) / 1e6
+        assert usage["cost_usd"] == pytest.approx(cost, abs=1e-8), step
+    beta = "extended-cache-ttl-2025-04-11" if ttl == "1h" else None
+    assert [r.headers.get("anthropic-beta") for r in requests] == [beta] * 3

@@ -18,7 +18,7 @@ from conductor.pool.config import AgentConfig, PoolConfig, Price
 from conductor.pool.errors import ConfigError
 from conductor.pool.registry import build_provider, caches_on_request
 from tests.fakes.anthropic_server import FakeAnthropicServer, _blocks
-from tests.fakes.http_base import count_words
+from tests.fakes.http_base import RecordedRequest, count_words
 
 KEY_ENV = "CONDUCTOR_TEST_ANTHROPIC_KEY"
 TASK = "Summarise the findings of the three attached studies on sleep and memory for a general reader."
@@ -261,6 +261,119 @@ def test_an_anthropic_agent_without_a_cached_price_costs_a_read_at_a_tenth_of_th
     assert set_price.billing.cached_input_per_mtok == 1.0
     gpt = AgentConfig(provider="openai", model="m", price=Price(input_per_mtok=3.0))
     assert gpt.billing.cost(1000, 0, 1000) == pytest.approx(3000 / 1e6)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def timed(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeAnthropicServer, Clock]]:
+    monkeypatch.setenv(KEY_ENV, "sk-ant-test")
+    clock = Clock()
+    with FakeAnthropicServer(prompt_cache_min_tokens=10, clock=clock) as srv:
+        yield srv, clock
+
+
+def run_pev_with_pauses(provider: AnthropicProvider, clock: Clock, pause_s: float) -> list[Completion]:
+    """pev's steps, each starting ``pause_s`` after the one before began (the earlier step's run time)."""
+    completions = []
+    for i, access in enumerate(PEV):
+        visible = [(f"subtask {d}", ANSWERS[d]) for d in access]
+        messages = worker_messages(task=TASK, visible=visible, instruction=f"subtask {i}")
+        completions.append(provider.complete(messages, CallOptions(cache_points=points_of(i, PEV))))
+        clock.now += pause_s
+    return completions
+
+
+def test_a_five_minute_cache_is_gone_when_a_step_runs_longer_than_five_minutes(
+        timed: tuple[FakeAnthropicServer, Clock]) -> None:
+    server, clock = timed
+    plan, execute, verify = run_pev_with_pauses(claude(server), clock, pause_s=400)
+
+    system = words(worker_messages(task=TASK, visible=[], instruction="x")[0].content)
+    turn0 = words("subtask 0", ANSWERS[0])
+    # each step starts 400 s after the one before: nothing the step before wrote is left to read
+    assert [(c.cached_input_tokens, c.cache_write_tokens) for c in (plan, execute, verify)] == [
+        (0, system), (0, system + turn0), (0, system + turn0)]
+    assert all("anthropic-beta" not in r.headers for r in server.requests)
+    assert all(mark == "5m" for body in server.bodies for _, _, mark in _blocks(body) if mark)
+
+
+def test_a_one_hour_cache_outlives_a_long_step_and_asks_for_it_as_the_api_requires(
+        timed: tuple[FakeAnthropicServer, Clock]) -> None:
+    server, clock = timed
+    plan, execute, verify = run_pev_with_pauses(claude(server, prompt_cache_ttl="1h"), clock, pause_s=400)
+
+    system = words(worker_messages(task=TASK, visible=[], instruction="x")[0].content)
+    turn0 = words("subtask 0", ANSWERS[0])
+    assert [(c.cached_input_tokens, c.cache_write_tokens) for c in (plan, execute, verify)] == [
+        (0, system), (system, turn0), (system + turn0, 0)]
+    # every marker asks for the hour, and each request sends the beta that enables it (without it the API
+    # keeps the prefix five minutes without saying so: the fake does the same)
+    bodies = server.bodies
+    assert [[block["cache_control"] for block in body["system"]] for body in bodies] == [
+        [{"type": "ephemeral", "ttl": "1h"}]] * 3
+    assert [r.headers.get("anthropic-beta") for r in server.requests] == ["extended-cache-ttl-2025-04-11"] * 3
+
+
+def test_a_call_with_nothing_to_mark_sends_no_beta_header(timed: tuple[FakeAnthropicServer, Clock]) -> None:
+    server, _ = timed
+    messages = worker_messages(task=TASK, visible=[], instruction="subtask 0")
+    claude(server, prompt_cache_ttl="1h").complete(messages, CallOptions())
+
+    (request,) = server.requests
+    assert "anthropic-beta" not in request.headers and isinstance(request.body["system"], str)
+
+
+def test_without_the_beta_the_fake_keeps_a_one_hour_mark_five_minutes_as_the_api_does(
+        timed: tuple[FakeAnthropicServer, Clock]) -> None:
+    # the check above on the header could not fail if the fake honoured "1h" without it
+    server, clock = timed
+    marked = {"type": "text", "text": "word " * 20, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    body = {"system": [marked], "messages": [{"role": "user", "content": "hi"}]}
+    plain = RecordedRequest("POST", "/v1/messages", {}, {}, body, b"")
+    beta = RecordedRequest("POST", "/v1/messages", {}, {"anthropic-beta": "extended-cache-ttl-2025-04-11"}, body, b"")
+    assert server._cached_usage(plain, body)["cache_creation"] == {"ephemeral_5m_input_tokens": 20,
+                                                                    "ephemeral_1h_input_tokens": 0}
+    clock.now += 400
+    assert server._cached_usage(beta, body)["cache_creation"] == {"ephemeral_5m_input_tokens": 0,
+                                                                   "ephemeral_1h_input_tokens": 20}
+    clock.now += 3000
+    assert server._cached_usage(beta, body)["cache_read_input_tokens"] == 20  # read within the hour: renewed
+    clock.now += 3000
+    assert server._cached_usage(beta, body)["cache_read_input_tokens"] == 20
+    clock.now += 3601
+    assert server._cached_usage(beta, body)["cache_read_input_tokens"] == 0
+
+
+def test_the_fake_refuses_a_bad_ttl_and_an_hour_after_five_minutes(server: FakeAnthropicServer) -> None:
+    def body(*ttls: str) -> dict[str, object]:
+        blocks = [{"type": "text", "text": "t", "cache_control": {"type": "ephemeral", "ttl": t}} for t in ttls]
+        return {"messages": [{"role": "user", "content": blocks}]}
+
+    assert "'5m' or '1h'" in (server.invalid(body("10m")) or "")
+    assert "must not come after" in (server.invalid(body("5m", "1h")) or "")
+    assert server.invalid(body("1h", "5m")) is None and server.invalid(body("1h", "1h")) is None
+
+
+def test_prompt_cache_ttl_is_5m_or_1h_and_the_hour_costs_twice_the_input_to_write() -> None:
+    with pytest.raises(ConfigError, match="prompt_cache_ttl"):
+        build_provider("claude", AgentConfig(provider="anthropic", model="m", options={"prompt_cache_ttl": "2h"}))
+    hour = AgentConfig(provider="anthropic", model="m", price=Price(input_per_mtok=3.0),
+                       options={"prompt_cache_ttl": "1h"})
+    assert hour.billing.write_per_mtok == pytest.approx(6.0)
+    assert hour.billing.cost(1000, 0, 0, 1000) == pytest.approx(6000 / 1e6)
+    assert hour.price.cache_write_per_mtok is None  # the pool (and a job's snapshot) unchanged
+    five = AgentConfig(provider="anthropic", model="m", price=Price(input_per_mtok=3.0))
+    assert five.billing.write_per_mtok == pytest.approx(3.75)
+    # a price the pool sets wins
+    set_price = hour.model_copy(update={"price": Price(input_per_mtok=3.0, cache_write_per_mtok=5.0)})
+    assert set_price.billing.write_per_mtok == 5.0
 
 
 def test_a_jobs_batch_line_carries_every_usage_field_of_get_job() -> None:
