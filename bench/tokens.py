@@ -59,8 +59,10 @@ WORKFLOWS: dict[str, list[list[int]]] = {
 MOA = ("moa 3+1", "moa 3x2+1", "moa 4x2+1")
 
 
-READ_RATE, WRITE_RATE = 0.1, 1.25
-"""Anthropic's prices of a cache read and a 5-minute cache write, relative to an input token."""
+READ_RATE = 0.1
+WRITE_RATE = {"5m": 1.25, "1h": 2.0}
+"""Anthropic's prices of a cache read and of a write to its 5-minute and one-hour caches, relative to an input
+token."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pad each task with a document of about this many tokens (a deep-research job's sources)")
     p.add_argument("--cache-min-tokens", type=int, default=1024,
                    help="the shortest prefix Anthropic caches (1,024 for Sonnet and Opus, more for Haiku)")
+    p.add_argument("--cache-ttl", choices=sorted(WRITE_RATE), default="5m",
+                   help="the agent's prompt_cache_ttl in the prompt-cache pass")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="in the prompt-cache pass, how long each wave of steps runs (the cache model's clock)")
 
 
 def waves(deps: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -79,10 +85,24 @@ def waves(deps: Sequence[Sequence[int]]) -> list[list[int]]:
     return [[i for i, lv in enumerate(level) if lv == w] for w in range(max(level) + 1)]
 
 
-def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int],
-                      min_tokens: int) -> dict[str, dict[str, float]]:
+class WaveClock:
+    """The cache model's clock: ``step_s`` later after each wave of steps."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wave_ended(self) -> None:
+        self.now += self.step_s
+
+
+def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int], min_tokens: int,
+                      ttl: str = "5m", step_s: float = 0.0) -> dict[str, dict[str, float]]:
     """Per workflow, mean per task: the input tokens the steps sent, of them read from and written to the
-    cache, and the input's price relative to no cache."""
+    cache, and the input's price relative to no cache; an agent with ``prompt_cache_ttl`` ``ttl``, each wave of
+    steps running ``step_s`` seconds on the cache model's clock."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -95,11 +115,13 @@ def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int]
 
     os.environ.setdefault("CONDUCTOR_BENCH_ANTHROPIC_KEY", "sk-ant-loopback")
     out: dict[str, dict[str, float]] = {}
+    clock = WaveClock(step_s)
     with FakeAnthropicServer(lambda _body: Reply(text=answer), prompt_cache_min_tokens=min_tokens,
-                             count=n) as srv, ThreadPoolExecutor(max_workers=8) as pool:
+                             count=n, clock=clock) as srv, ThreadPoolExecutor(max_workers=8) as pool:
         provider = build_provider("claude", AgentConfig(provider="anthropic", model="claude-bench",
                                                         base_url=srv.base_url,
-                                                        api_key_env="CONDUCTOR_BENCH_ANTHROPIC_KEY"))
+                                                        api_key_env="CONDUCTOR_BENCH_ANTHROPIC_KEY",
+                                                        options={"prompt_cache_ttl": ttl}))
         for wf, deps in WORKFLOWS.items():
             srv.clear_cache()  # each workflow from a cold cache: the tasks' prefixes are the same in each
             sent = read = written = 0
@@ -115,7 +137,8 @@ def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int]
                     with srv.held_writes():
                         for tokens, hit, wrote in pool.map(call, wave):
                             sent, read, written = sent + tokens, read + hit, written + wrote
-            price = (sent - read - written) + READ_RATE * read + WRITE_RATE * written
+                    clock.wave_ended()
+            price = (sent - read - written) + READ_RATE * read + WRITE_RATE[ttl] * written
             out[wf] = {"input_tokens": sent / len(tasks), "read": read / len(tasks),
                        "written": written / len(tasks), "input_price_vs_no_cache": price / sent}
     return out
@@ -202,17 +225,23 @@ def run(args: argparse.Namespace) -> Result:
            + "; against one step with the planning call that wrote it (research pool): "
            + ", ".join(f"{wf} {data[wf]['vs_one_step_planned']:.2f}x" for wf in MOA)
            + ". MoA 4x2+1 is togethercomputer/MoA's `advanced-moa.py` (`layers = 3`, 4 reference models).")
-    cached = with_prompt_cache(tasks, answer, n, args.cache_min_tokens)
+    cached = with_prompt_cache(tasks, answer, n, args.cache_min_tokens, args.cache_ttl, args.step_seconds)
+    lifetime = "5-minute" if args.cache_ttl == "5m" else "one-hour"
+    spacing = f", each wave of steps running {args.step_seconds:g} s on its clock" if args.step_seconds else ""
     md += ("\n\nWith Anthropic's prompt cache (each workflow on one `anthropic` agent, through the SDK, against the "
-           f"loopback server's model of the cache: prefixes of at least {args.cache_min_tokens} tokens, reads at "
-           f"{READ_RATE}x and writes at {WRITE_RATE}x the input price):\n\n")
+           f"loopback server's model of the cache: prefixes of at least {args.cache_min_tokens} tokens, the "
+           f"{lifetime} cache{spacing}, reads at {READ_RATE}x and writes at {WRITE_RATE[args.cache_ttl]}x the "
+           "input price):\n\n")
     md += table(["workflow", "input tokens", "read from the cache", "written to it", "input price vs no cache"],
                 [[wf, round(c["input_tokens"]), round(c["read"]), round(c["written"]),
                   f"{c['input_price_vs_no_cache']:.2f}x"] for wf, c in cached.items()])
     cmd = "python -m bench tokens --quick" if args.quick else \
         (f"python -m bench tokens --answer-tokens {args.answer_tokens} --cache-min-tokens {args.cache_min_tokens}"
-         + (f" --task-tokens {args.task_tokens}" if args.task_tokens else ""))
+         + (f" --task-tokens {args.task_tokens}" if args.task_tokens else "")
+         + (f" --cache-ttl {args.cache_ttl}" if args.cache_ttl != "5m" else "")
+         + (f" --step-seconds {args.step_seconds:g}" if args.step_seconds else ""))
     data_out = {"encoder": name, "answer_tokens": n(answer), "task_tokens": args.task_tokens, "tasks": len(tasks),
                 "workflows": data,
-                "prompt_cache": {"min_tokens": args.cache_min_tokens, "workflows": cached}}
+                "prompt_cache": {"min_tokens": args.cache_min_tokens, "ttl": args.cache_ttl,
+                                 "step_seconds": args.step_seconds, "workflows": cached}}
     return Result("tokens", cmd, data_out, md)

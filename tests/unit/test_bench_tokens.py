@@ -56,3 +56,21 @@ def test_the_planning_call_counts_the_conductors_prompt_and_its_answer() -> None
     short, long = planning("task", words), planning("task " * 100, words)
     assert short > prompt  # the whole system prompt, then the request and the workflow written
     assert long - short >= 190  # 99 more words, in the request and again as the one step's subtask
+
+
+def test_the_prompt_cache_pass_prices_a_five_minute_cache_that_expires_between_steps_as_a_loss() -> None:
+    # pev with long prompts, through the provider and the loopback cache model: steps back to back read what
+    # the step before wrote; 400 s apart, a 5-minute cache has expired at each read (every step writes, none
+    # reads: more than no cache), while the one-hour cache reads the same as back to back, at its write price
+    from bench.tokens import TASKS, with_prompt_cache
+
+    tasks = [TASKS[0] + " Sources: " + "finding " * 400]
+
+    def pev(ttl: str, step_s: float) -> dict[str, float]:
+        return with_prompt_cache(tasks, "answer " * 300, lambda t: len(t.split()), 100, ttl, step_s)["pev"]
+
+    fast, slow, hour = pev("5m", 0), pev("5m", 400), pev("1h", 400)
+    assert fast["read"] > 0 and fast["input_price_vs_no_cache"] < 1
+    assert slow["read"] == 0 and slow["written"] > fast["written"] and slow["input_price_vs_no_cache"] > 1
+    assert (hour["read"], hour["written"]) == (fast["read"], fast["written"])
+    assert fast["input_price_vs_no_cache"] < hour["input_price_vs_no_cache"] < 1
