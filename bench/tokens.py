@@ -59,10 +59,7 @@ WORKFLOWS: dict[str, list[list[int]]] = {
 MOA = ("moa 3+1", "moa 3x2+1", "moa 4x2+1")
 
 
-READ_RATE = 0.1
-WRITE_RATE = {"5m": 1.25, "1h": 2.0}
-"""Anthropic's prices of a cache read and of a write to its 5-minute and one-hour caches, relative to an input
-token."""
+TTLS = ("5m", "1h")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pad each task with a document of about this many tokens (a deep-research job's sources)")
     p.add_argument("--cache-min-tokens", type=int, default=1024,
                    help="the shortest prefix Anthropic caches (1,024 for Sonnet and Opus, more for Haiku)")
-    p.add_argument("--cache-ttl", choices=sorted(WRITE_RATE), default="5m",
+    p.add_argument("--cache-ttl", choices=TTLS, default="5m",
                    help="the agent's prompt_cache_ttl in the prompt-cache pass")
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="in the prompt-cache pass, how long each wave of steps runs (the cache model's clock)")
@@ -107,8 +104,8 @@ def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int]
     from concurrent.futures import ThreadPoolExecutor
 
     from conductor.context import PlannedStep, cache_points
-    from conductor.pool.base import CallOptions
-    from conductor.pool.config import AgentConfig
+    from conductor.pool.base import CallOptions, Completion
+    from conductor.pool.config import AgentConfig, Price
     from conductor.pool.registry import build_provider
     from tests.fakes.anthropic_server import FakeAnthropicServer
     from tests.fakes.http_base import Reply
@@ -118,29 +115,32 @@ def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int]
     clock = WaveClock(step_s)
     with FakeAnthropicServer(lambda _body: Reply(text=answer), prompt_cache_min_tokens=min_tokens,
                              count=n, clock=clock) as srv, ThreadPoolExecutor(max_workers=8) as pool:
-        provider = build_provider("claude", AgentConfig(provider="anthropic", model="claude-bench",
-                                                        base_url=srv.base_url,
-                                                        api_key_env="CONDUCTOR_BENCH_ANTHROPIC_KEY",
-                                                        options={"prompt_cache_ttl": ttl}))
+        agent = AgentConfig(provider="anthropic", model="claude-bench", base_url=srv.base_url,
+                            api_key_env="CONDUCTOR_BENCH_ANTHROPIC_KEY", price=Price(input_per_mtok=1e6),
+                            options={"prompt_cache_ttl": ttl})
+        provider = build_provider("claude", agent)
+        price = agent.billing  # an input token costs 1: the engine's own prices of reads and writes
         for wf, deps in WORKFLOWS.items():
             srv.clear_cache()  # each workflow from a cold cache: the tasks' prefixes are the same in each
             sent = read = written = 0
+            paid = 0.0
             for task in tasks:
-                def call(i: int, task: str = task, deps: Sequence[Sequence[int]] = deps) -> tuple[int, int, int]:
+                def call(i: int, task: str = task, deps: Sequence[Sequence[int]] = deps) -> Completion:
                     visible = [(f"subtask {d}", answer) for d in sorted(deps[i])]
                     messages = worker_messages(task=task, visible=visible, instruction=f"subtask {i}")
                     points = cache_points(i, [PlannedStep("claude", d) for d in deps], inherited=0)
-                    c = provider.complete(messages, CallOptions(cache_points=points))
-                    return c.input_tokens, c.cached_input_tokens, c.cache_write_tokens
+                    return provider.complete(messages, CallOptions(cache_points=points))
 
                 for wave in waves(deps):
                     with srv.held_writes():
-                        for tokens, hit, wrote in pool.map(call, wave):
-                            sent, read, written = sent + tokens, read + hit, written + wrote
+                        for c in pool.map(call, wave):
+                            sent, read, written = sent + c.input_tokens, read + c.cached_input_tokens, \
+                                written + c.cache_write_tokens
+                            paid += price.cost(c.input_tokens, 0, c.cached_input_tokens, c.cache_write_tokens,
+                                               c.cache_write_1h_tokens)
                     clock.wave_ended()
-            price = (sent - read - written) + READ_RATE * read + WRITE_RATE[ttl] * written
             out[wf] = {"input_tokens": sent / len(tasks), "read": read / len(tasks),
-                       "written": written / len(tasks), "input_price_vs_no_cache": price / sent}
+                       "written": written / len(tasks), "input_price_vs_no_cache": paid / sent}
     return out
 
 
@@ -226,11 +226,14 @@ def run(args: argparse.Namespace) -> Result:
            + ", ".join(f"{wf} {data[wf]['vs_one_step_planned']:.2f}x" for wf in MOA)
            + ". MoA 4x2+1 is togethercomputer/MoA's `advanced-moa.py` (`layers = 3`, 4 reference models).")
     cached = with_prompt_cache(tasks, answer, n, args.cache_min_tokens, args.cache_ttl, args.step_seconds)
+    from conductor.pool.config import ANTHROPIC_CACHE_READ_FACTOR, CACHE_WRITE_1H_FACTOR, CACHE_WRITE_FACTOR
+
     lifetime = "5-minute" if args.cache_ttl == "5m" else "one-hour"
+    write_rate = CACHE_WRITE_FACTOR if args.cache_ttl == "5m" else CACHE_WRITE_1H_FACTOR
     spacing = f", each wave of steps running {args.step_seconds:g} s on its clock" if args.step_seconds else ""
     md += ("\n\nWith Anthropic's prompt cache (each workflow on one `anthropic` agent, through the SDK, against the "
            f"loopback server's model of the cache: prefixes of at least {args.cache_min_tokens} tokens, the "
-           f"{lifetime} cache{spacing}, reads at {READ_RATE}x and writes at {WRITE_RATE[args.cache_ttl]}x the "
+           f"{lifetime} cache{spacing}, reads at {ANTHROPIC_CACHE_READ_FACTOR}x and writes at {write_rate}x the "
            "input price):\n\n")
     md += table(["workflow", "input tokens", "read from the cache", "written to it", "input price vs no cache"],
                 [[wf, round(c["input_tokens"]), round(c["read"]), round(c["written"]),

@@ -46,10 +46,11 @@ def check_deadline(limits: dict[str, Any], created_at: datetime, now: datetime) 
 
 def allowed_output_tokens(
     limits: dict[str, Any], spent: Spent, *, prompt_tokens: int, max_tokens: int, price: Price,
-    cache_write_tokens: int = 0,
+    cache_write_tokens: int = 0, cache_write_1h: bool = False,
 ) -> int:
     """The output tokens this step may use, or BudgetExceeded when the budget has no room for it.
-    ``cache_write_tokens``: of the prompt, how much the call may write to the provider's cache."""
+    ``cache_write_tokens``: of the prompt, how much the call may write to the provider's cache;
+    ``cache_write_1h``: to its one-hour cache, at that price."""
     allowed = max_tokens
     token_budget = limits.get("max_tokens")
     if token_budget is not None:
@@ -62,7 +63,7 @@ def allowed_output_tokens(
         allowed = min(allowed, left)
     cost_budget = limits.get("max_cost_usd")
     if cost_budget is not None:
-        prompt_usd = _prompt_bound(price, prompt_tokens, 0, cache_write_tokens)
+        prompt_usd = _prompt_bound(price, prompt_tokens, 0, cache_write_tokens, cache_write_1h)
         left_usd = float(cost_budget) - spent.cost_usd - prompt_usd
         if left_usd <= 0:
             raise BudgetExceeded(
@@ -83,23 +84,30 @@ class Reservation:
 
 
 def step_reservation(limits: dict[str, Any], *, prompt_tokens: int, max_tokens: int, price: Price,
-                     cache_write_tokens: int = 0) -> Reservation:
+                     cache_write_tokens: int = 0, cache_write_1h: bool = False) -> Reservation:
     """What a step holds against its job's budgets while it runs: its prompt (the part it may write to the
-    provider's cache, ``cache_write_tokens``, at the write price) and its whole allowance."""
+    provider's cache, ``cache_write_tokens``, at the write price: the one-hour cache's with
+    ``cache_write_1h``) and its whole allowance."""
     return Reservation(
         tokens=prompt_tokens + max_tokens if limits.get("max_tokens") is not None else 0,
-        cost_usd=(_prompt_bound(price, prompt_tokens, max_tokens, cache_write_tokens)
+        cost_usd=(_prompt_bound(price, prompt_tokens, max_tokens, cache_write_tokens, cache_write_1h)
                   if limits.get("max_cost_usd") is not None else 0.0),
     )
 
 
-def _prompt_bound(price: Price, prompt_tokens: int, output_tokens: int, cache_write_tokens: int) -> float:
-    """The most a call of this prompt and output can cost: the tokens it may write to the cache at the higher
-    of the input and the write price, the rest at the input price (a read costs no more than input)."""
+def _prompt_bound(price: Price, prompt_tokens: int, output_tokens: int, cache_write_tokens: int,
+                  cache_write_1h: bool = False) -> float:
+    """The most a call of this prompt and output can cost: the tokens it may write to the cache at the highest
+    of the input price and the write prices it may be billed (a call asking for the one-hour cache may be
+    billed either), the rest at the input price (a read costs no more than input)."""
     plain = price.cost(prompt_tokens, output_tokens)
     if cache_write_tokens <= 0:
         return plain
-    return max(plain, price.cost(prompt_tokens, output_tokens, cache_write_tokens=cache_write_tokens))
+    bounds = [plain, price.cost(prompt_tokens, output_tokens, cache_write_tokens=cache_write_tokens)]
+    if cache_write_1h:
+        bounds.append(price.cost(prompt_tokens, output_tokens, cache_write_tokens=cache_write_tokens,
+                                 cache_write_1h_tokens=cache_write_tokens))
+    return max(bounds)
 
 
 def child_reservation(limits: dict[str, Any]) -> Reservation:

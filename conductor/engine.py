@@ -47,7 +47,7 @@ from conductor.planning.planner import longest_planning_s, make_plan
 from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.config import AgentConfig, PoolConfig
 from conductor.pool.errors import ProviderError
-from conductor.pool.registry import caches_on_request, provider_for
+from conductor.pool.registry import caches_for_an_hour, caches_on_request, provider_for
 from conductor.ratelimit import wait_for_rate_limit
 from conductor.replay import replay_plan, step_rows
 from conductor.retry import RetryPolicy
@@ -552,12 +552,13 @@ def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
             prompt_tokens = sum(sizes)
             writable = sum(sizes[:points[-1] + 1]) if points else 0  # the prefix up to its last cache point
             price = config.billing
+            hour = caches_for_an_hour(config)
             max_tokens = allowed_output_tokens(
                 row.limits, spent, prompt_tokens=prompt_tokens, max_tokens=_step_cap(row, config), price=price,
-                cache_write_tokens=writable,
+                cache_write_tokens=writable, cache_write_1h=hour,
             )
             held = step_reservation(row.limits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, price=price,
-                                    cache_write_tokens=writable)
+                                    cache_write_tokens=writable, cache_write_1h=hour)
             values.update(reserved_usd=held.cost_usd, reserved_tokens=held.tokens)
     except (BudgetExceeded, DeadlineExceeded) as exc:
         refusal = exc
@@ -679,7 +680,8 @@ def _completion_columns(c: Completion, config: AgentConfig) -> dict[str, Any]:
         "model": c.model,
         "input_tokens": c.input_tokens,
         "output_tokens": c.output_tokens,
-        "cost_usd": config.billing.cost(c.input_tokens, c.output_tokens, c.cached_input_tokens, c.cache_write_tokens),
+        "cost_usd": config.billing.cost(c.input_tokens, c.output_tokens, c.cached_input_tokens, c.cache_write_tokens,
+                                        c.cache_write_1h_tokens),
         "cached_input_tokens": c.cached_input_tokens,
         "reasoning_tokens": c.reasoning_tokens,
         "cache_write_tokens": c.cache_write_tokens,

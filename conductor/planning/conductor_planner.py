@@ -119,6 +119,6 @@ def _add_usage(usage: PlannerUsage, completion: Completion, price: Price) -> Non
     usage.reasoning_tokens += completion.reasoning_tokens
     usage.cache_write_tokens += completion.cache_write_tokens
     usage.cost_usd += price.cost(completion.input_tokens, completion.output_tokens, completion.cached_input_tokens,
-                                 completion.cache_write_tokens)
+                                 completion.cache_write_tokens, completion.cache_write_1h_tokens)
     usage.calls += 1
     usage.latency_ms += completion.latency_ms

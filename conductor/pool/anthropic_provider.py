@@ -8,8 +8,8 @@ agent option ``prompt_cache`` (on unless set to false) each call marks the ends 
 its job on the same agent sends too (``CallOptions.cache_points``, from the workflow's access lists): the later
 of two such calls reads at a tenth of the input price what the earlier one wrote at 1.25 times it (the
 5-minute cache; a prefix shorter than the model's minimum, 1,024 tokens or more, is neither). With
-``prompt_cache_ttl: 1h`` the marks ask for the one-hour cache (``"ttl": "1h"`` and the ``anthropic-beta``
-header that enables it), whose writes cost twice the input price. A prefix no other step sends is never
+``prompt_cache_ttl: 1h`` the marks ask for the one-hour cache (``"ttl": "1h"``, with the ``anthropic-beta``
+header that introduced it), whose writes cost twice the input price. A prefix no other step sends is never
 marked. A call that marks any sends all its content as text blocks (the form a
 marker needs), so every call that reads or writes a prefix sends it alike.
 
@@ -17,8 +17,9 @@ Usage: Anthropic's ``usage.input_tokens`` counts only the prompt tokens after th
 the tokens read from the prompt cache (``cache_read_input_tokens``) and written to it
 (``cache_creation_input_tokens``) are reported apart. ``Completion.input_tokens`` is every prompt token, as
 OpenAI counts it: the three added. Of them, ``cached_input_tokens`` are the cache reads (priced at the
-agent's ``cached_input_per_mtok``) and ``cache_write_tokens`` the writes (at ``cache_write_per_mtok``, by
-default the rate of the cache the agent asks for: 1.25 times the input price, twice it for ``1h``).
+agent's ``cached_input_per_mtok``) and ``cache_write_tokens`` the writes: those ``usage.cache_creation``
+reports as one-hour ones (``cache_write_1h_tokens``) at ``cache_write_1h_per_mtok`` (unset: twice the input
+price), the rest at ``cache_write_per_mtok`` (unset: 1.25 times it), whatever lifetime was asked for.
 ``reasoning_tokens`` are ``usage.output_tokens_details.thinking_tokens`` (part of ``output_tokens``), 0 when
 not sent or not a count: a detail never fails a call that answered.
 """
@@ -67,8 +68,9 @@ class AnthropicOptions(BaseModel):
 
 
 EXTENDED_CACHE_TTL_BETA = "extended-cache-ttl-2025-04-11"
-"""The ``anthropic-beta`` value a request marking a one-hour cache sends: without it the API keeps the prefix
-five minutes (it does not refuse the request)."""
+"""The ``anthropic-beta`` value a request marking a one-hour cache sends, as the feature's beta required.
+Reports differ on what the API does without it (a 400, or the prefix kept 5 minutes without a word); with it,
+either way, the hour is asked for as documented. What was written for how long is read from the usage."""
 MAX_CACHE_MARKERS = 4
 """The most ``cache_control`` markers a request may carry (the API refuses more): the longest are kept."""
 
@@ -151,6 +153,7 @@ class AnthropicProvider(Provider):
             cache_reads = usage.cache_read_input_tokens or 0
             details = getattr(usage, "output_tokens_details", None)
             thinking = getattr(details, "thinking_tokens", None)
+            hour = getattr(getattr(usage, "cache_creation", None), "ephemeral_1h_input_tokens", None)
             stop_reason = response.stop_reason
             model = response.model or self.config.model
         except (AttributeError, TypeError) as exc:
@@ -165,6 +168,7 @@ class AnthropicProvider(Provider):
             output_tokens=output_tokens,
             cached_input_tokens=max(0, min(cache_reads, prompt_tokens)),
             cache_write_tokens=max(0, min(cache_writes, prompt_tokens)),
+            cache_write_1h_tokens=max(0, min(hour, cache_writes, prompt_tokens)) if type(hour) is int else 0,
             reasoning_tokens=max(0, min(thinking, output_tokens)) if type(thinking) is int else 0,
             finish_reason=FINISH_REASONS.get(raw_reason, raw_reason),
             model=str(model),

@@ -54,6 +54,9 @@ class Completion:
     cache_write_tokens: int = 0
     """Of ``input_tokens``, those the provider wrote to its prompt cache (Anthropic's cache writes, billed
     above the input price: ``Price.cache_write_per_mtok``)."""
+    cache_write_1h_tokens: int = 0
+    """Of ``cache_write_tokens``, those written to Anthropic's one-hour cache (``Price.cache_write_1h_per_mtok``),
+    as its ``usage.cache_creation`` reports them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", storable_text(self.text))

@@ -35,9 +35,9 @@ class PoolError(ValueError):
 CACHE_WRITE_FACTOR = 1.25
 """A prompt-cache write's price over the input price when the pool gives none: Anthropic's rate for its
 5-minute cache, the one the Anthropic provider asks for by default (the only provider that reports writes)."""
-ANTHROPIC_CACHE_WRITE_1H_FACTOR = 2.0
-"""An Anthropic one-hour prompt-cache write's price over the input price: an ``anthropic`` agent's unset
-``cache_write_per_mtok`` when its option ``prompt_cache_ttl`` is ``1h`` (``AgentConfig.billing``)."""
+CACHE_WRITE_1H_FACTOR = 2.0
+"""A one-hour prompt-cache write's price over the input price when the pool gives none: Anthropic's rate
+(``Price.cache_write_1h_per_mtok``)."""
 ANTHROPIC_CACHE_READ_FACTOR = 0.1
 """An Anthropic prompt-cache read's price over the input price, for every Claude model: an ``anthropic``
 agent's unset ``cached_input_per_mtok`` (``AgentConfig.billing``). Other providers' rates differ by model."""
@@ -50,30 +50,43 @@ class Price(BaseModel):
     cached_input_per_mtok: float | None = Field(default=None, ge=0)
     """The price of an input token read from the provider's prompt cache; None: ``input_per_mtok``."""
     cache_write_per_mtok: float | None = Field(default=None, ge=0)
-    """The price of an input token written to the provider's prompt cache; None: ``CACHE_WRITE_FACTOR``
+    """The price of an input token written to the provider's prompt cache (Anthropic's 5-minute cache);
+    None: ``CACHE_WRITE_FACTOR`` times ``input_per_mtok``."""
+    cache_write_1h_per_mtok: float | None = Field(default=None, ge=0)
+    """The price of an input token written to Anthropic's one-hour prompt cache; None: ``CACHE_WRITE_1H_FACTOR``
     times ``input_per_mtok``."""
 
     @property
     def write_per_mtok(self) -> float:
-        """What a cache write costs per million tokens, as billed."""
+        """What a (5-minute) cache write costs per million tokens."""
         if self.cache_write_per_mtok is not None:
             return self.cache_write_per_mtok
         return self.input_per_mtok * CACHE_WRITE_FACTOR
 
+    @property
+    def write_1h_per_mtok(self) -> float:
+        """What a one-hour cache write costs per million tokens."""
+        if self.cache_write_1h_per_mtok is not None:
+            return self.cache_write_1h_per_mtok
+        return self.input_per_mtok * CACHE_WRITE_1H_FACTOR
+
     def cost(self, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0,
-             cache_write_tokens: int = 0) -> float:
+             cache_write_tokens: int = 0, cache_write_1h_tokens: int = 0) -> float:
         """``cached_input_tokens`` (read from the cache) and ``cache_write_tokens`` (written to it) are part
-        of ``input_tokens`` (together at most all of them), each priced apart."""
+        of ``input_tokens`` (together at most all of them), each priced apart; of the writes,
+        ``cache_write_1h_tokens`` went to the one-hour cache (its own price)."""
         cached = min(max(cached_input_tokens, 0), input_tokens)
         written = min(max(cache_write_tokens, 0), input_tokens - cached)
+        hour = min(max(cache_write_1h_tokens, 0), written)
         cached_price = self.input_per_mtok if self.cached_input_per_mtok is None else self.cached_input_per_mtok
         return ((input_tokens - cached - written) * self.input_per_mtok + cached * cached_price
-                + written * self.write_per_mtok + output_tokens * self.output_per_mtok) / 1_000_000
+                + (written - hour) * self.write_per_mtok + hour * self.write_1h_per_mtok
+                + output_tokens * self.output_per_mtok) / 1_000_000
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        for optional in ("cached_input_per_mtok", "cache_write_per_mtok"):
+        for optional in ("cached_input_per_mtok", "cache_write_per_mtok", "cache_write_1h_per_mtok"):
             if data.get(optional) is None:  # a job's pool snapshot stays readable by older workers
                 data.pop(optional, None)
         return data
@@ -120,18 +133,12 @@ class AgentConfig(BaseModel):
     @property
     def billing(self) -> Price:
         """The prices its calls are costed at: ``price``, with an ``anthropic`` agent's unset cached-input price
-        at Anthropic's rate (``ANTHROPIC_CACHE_READ_FACTOR``; elsewhere an unset one is the input price) and its
-        unset cache-write price at the one-hour cache's rate when it asks for that cache
-        (``ANTHROPIC_CACHE_WRITE_1H_FACTOR``; otherwise ``CACHE_WRITE_FACTOR``, ``Price.write_per_mtok``)."""
+        at Anthropic's rate (``ANTHROPIC_CACHE_READ_FACTOR``); elsewhere an unset one is the input price."""
         price = self.price
-        if self.provider != "anthropic":
-            return price
-        update: dict[str, float] = {}
-        if price.cached_input_per_mtok is None:
-            update["cached_input_per_mtok"] = price.input_per_mtok * ANTHROPIC_CACHE_READ_FACTOR
-        if price.cache_write_per_mtok is None and self.options.get("prompt_cache_ttl") == "1h":
-            update["cache_write_per_mtok"] = price.input_per_mtok * ANTHROPIC_CACHE_WRITE_1H_FACTOR
-        return price.model_copy(update=update) if update else price
+        if self.provider == "anthropic" and price.cached_input_per_mtok is None:
+            read = price.input_per_mtok * ANTHROPIC_CACHE_READ_FACTOR
+            return price.model_copy(update={"cached_input_per_mtok": read})
+        return price
 
     def bucket(self, name: str) -> str:
         """The rate-limit bucket of this agent, known in its pool as ``name``."""

@@ -51,6 +51,12 @@ def caches_on_request(config: AgentConfig) -> bool:
     return config.provider == "anthropic" and config.options.get("prompt_cache", True) is not False
 
 
+def caches_for_an_hour(config: AgentConfig) -> bool:
+    """Whether this agent's cache writes ask for the one-hour cache (priced ``Price.cache_write_1h_per_mtok``):
+    Anthropic agents with ``prompt_cache_ttl: 1h``."""
+    return caches_on_request(config) and config.options.get("prompt_cache_ttl") == "1h"
+
+
 def provider_for(agent: str, config: AgentConfig) -> Provider:
     """Providers are reused per process (they hold HTTP connection pools), keyed by their full config."""
     return _cached(agent, config.model_dump_json())

@@ -14,10 +14,11 @@ together (a workflow's parallel steps) do not read each other's, as Anthropic's 
 a response has begun.
 
 Lifetimes: a prefix lives 5 minutes from its write, or one hour when its marker says ``"ttl": "1h"`` and the
-request sends the ``anthropic-beta`` value that enables it (without it the API keeps it 5 minutes and does not
-say so); each read renews it. Time is ``clock()`` (``time.monotonic`` unless given). A ``ttl`` other than
-``5m``/``1h``, or a ``1h`` marker after a ``5m`` one, is refused as the API does. ``usage.cache_creation``
-splits the writes by lifetime.
+request sends the ``anthropic-beta`` value that introduced it (without it this fake keeps it 5 minutes, one
+of the two behaviours reported of the API; the other is a 400); each read renews it. Time is ``clock()``
+(``time.monotonic`` unless given), read once per request. A ``ttl`` other than ``5m``/``1h``, or a ``1h``
+marker after a ``5m`` one, is refused as the API does. ``usage.cache_creation`` splits the writes by
+lifetime.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class AnthropicReply(Reply):
     """``usage.cache_creation_input_tokens``; None: not sent."""
     thinking_tokens: int | None = None
     """``usage.output_tokens_details.thinking_tokens`` (part of ``output_tokens``); None: no details sent."""
+    ephemeral_1h_input_tokens: int | None = None
+    """Of ``cache_creation_input_tokens``, those written to the one-hour cache: ``usage.cache_creation``
+    splits the writes by lifetime; None: no split sent."""
 
 
 MAX_CACHE_MARKERS = 4
@@ -117,7 +121,8 @@ class FakeAnthropicServer(FakeProviderServer):
         self._cache: dict[str, float] = {}
         """Prefix key -> its lifetime in seconds, by the time it was last written or read."""
         self._touched: dict[str, float] = {}
-        self._held: dict[str, float] | None = None
+        self._held: dict[str, tuple[float, float]] | None = None
+        """Inside ``held_writes()``: prefix key -> (lifetime, when its request wrote it)."""
         self._cache_lock = threading.Lock()
 
     def clear_cache(self) -> None:
@@ -133,9 +138,8 @@ class FakeAnthropicServer(FakeProviderServer):
             yield
         finally:
             with self._cache_lock:
-                now = self.clock()
-                for key, lifetime in (self._held or {}).items():
-                    self._cache[key], self._touched[key] = lifetime, now
+                for key, (lifetime, written_at) in (self._held or {}).items():
+                    self._cache[key], self._touched[key] = lifetime, written_at
                 self._held = None
 
     def _live(self, key: str, now: float) -> bool:
@@ -144,7 +148,8 @@ class FakeAnthropicServer(FakeProviderServer):
     def _cached_usage(self, request: RecordedRequest, body: dict[str, Any]) -> dict[str, Any]:
         """Reads, writes and the rest of the prompt, by the module docstring's rules."""
         assert self.prompt_cache_min_tokens is not None
-        extended = EXTENDED_CACHE_TTL_BETA in request.headers.get("anthropic-beta", "").split(",")
+        betas = {beta.strip() for beta in request.headers.get("anthropic-beta", "").split(",")}
+        extended = EXTENDED_CACHE_TTL_BETA in betas
         blocks = _blocks(body)
         sizes = [self.count(text) if text.strip() else 0 for _, text, _ in blocks]
         keys, digest = [], hashlib.sha256()
@@ -171,7 +176,7 @@ class FakeAnthropicServer(FakeProviderServer):
                     if self._held is None:
                         self._cache[keys[mark]], self._touched[keys[mark]] = TTL_SECONDS[ttl], now
                     else:
-                        self._held[keys[mark]] = TTL_SECONDS[ttl]
+                        self._held[keys[mark]] = (TTL_SECONDS[ttl], now)
                     written[ttl] += prefix - read - sum(written.values())
         creation = sum(written.values())
         return {"input_tokens": total - read - creation, "cache_read_input_tokens": read,
@@ -197,6 +202,10 @@ class FakeAnthropicServer(FakeProviderServer):
             for name in ("cache_creation_input_tokens", "cache_read_input_tokens"):
                 if getattr(reply, name) is not None:
                     usage[name] = getattr(reply, name)
+            if reply.ephemeral_1h_input_tokens is not None:
+                hour, all_writes = reply.ephemeral_1h_input_tokens, reply.cache_creation_input_tokens or 0
+                usage["cache_creation"] = {"ephemeral_5m_input_tokens": all_writes - hour,
+                                           "ephemeral_1h_input_tokens": hour}
             if reply.thinking_tokens is not None:
                 usage["output_tokens_details"] = {"thinking_tokens": reply.thinking_tokens}
         return {

@@ -16,8 +16,8 @@ from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.chat_turns import to_conversation
 from conductor.pool.config import AgentConfig, PoolConfig, Price
 from conductor.pool.errors import ConfigError
-from conductor.pool.registry import build_provider, caches_on_request
-from tests.fakes.anthropic_server import FakeAnthropicServer, _blocks
+from conductor.pool.registry import build_provider, caches_for_an_hour, caches_on_request
+from tests.fakes.anthropic_server import AnthropicReply, FakeAnthropicServer, _blocks
 from tests.fakes.http_base import RecordedRequest, count_words
 
 KEY_ENV = "CONDUCTOR_TEST_ANTHROPIC_KEY"
@@ -300,6 +300,7 @@ def test_a_five_minute_cache_is_gone_when_a_step_runs_longer_than_five_minutes(
     # each step starts 400 s after the one before: nothing the step before wrote is left to read
     assert [(c.cached_input_tokens, c.cache_write_tokens) for c in (plan, execute, verify)] == [
         (0, system), (0, system + turn0), (0, system + turn0)]
+    assert [c.cache_write_1h_tokens for c in (plan, execute, verify)] == [0, 0, 0]
     assert all("anthropic-beta" not in r.headers for r in server.requests)
     assert all(mark == "5m" for body in server.bodies for _, _, mark in _blocks(body) if mark)
 
@@ -313,8 +314,9 @@ def test_a_one_hour_cache_outlives_a_long_step_and_asks_for_it_as_the_api_requir
     turn0 = words("subtask 0", ANSWERS[0])
     assert [(c.cached_input_tokens, c.cache_write_tokens) for c in (plan, execute, verify)] == [
         (0, system), (system, turn0), (system + turn0, 0)]
-    # every marker asks for the hour, and each request sends the beta that enables it (without it the API
-    # keeps the prefix five minutes without saying so: the fake does the same)
+    # the usage's split says the writes went to the hour's cache: that is what prices them
+    assert [c.cache_write_1h_tokens for c in (plan, execute, verify)] == [system, turn0, 0]
+    # every marker asks for the hour, and each request sends the beta header that introduced it
     bodies = server.bodies
     assert [[block["cache_control"] for block in body["system"]] for body in bodies] == [
         [{"type": "ephemeral", "ttl": "1h"}]] * 3
@@ -330,9 +332,9 @@ def test_a_call_with_nothing_to_mark_sends_no_beta_header(timed: tuple[FakeAnthr
     assert "anthropic-beta" not in request.headers and isinstance(request.body["system"], str)
 
 
-def test_without_the_beta_the_fake_keeps_a_one_hour_mark_five_minutes_as_the_api_does(
+def test_the_fakes_cache_lives_as_long_as_asked_renewed_by_each_read(
         timed: tuple[FakeAnthropicServer, Clock]) -> None:
-    # the check above on the header could not fail if the fake honoured "1h" without it
+    # the lifetimes the tests above rely on; without the beta header the fake keeps a "1h" mark 5 minutes
     server, clock = timed
     marked = {"type": "text", "text": "word " * 20, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
     body = {"system": [marked], "messages": [{"role": "user", "content": "hi"}]}
@@ -361,19 +363,58 @@ def test_the_fake_refuses_a_bad_ttl_and_an_hour_after_five_minutes(server: FakeA
     assert server.invalid(body("1h", "5m")) is None and server.invalid(body("1h", "1h")) is None
 
 
-def test_prompt_cache_ttl_is_5m_or_1h_and_the_hour_costs_twice_the_input_to_write() -> None:
+def test_prompt_cache_ttl_is_5m_or_1h_and_an_hours_write_costs_twice_the_input() -> None:
     with pytest.raises(ConfigError, match="prompt_cache_ttl"):
         build_provider("claude", AgentConfig(provider="anthropic", model="m", options={"prompt_cache_ttl": "2h"}))
-    hour = AgentConfig(provider="anthropic", model="m", price=Price(input_per_mtok=3.0),
-                       options={"prompt_cache_ttl": "1h"})
-    assert hour.billing.write_per_mtok == pytest.approx(6.0)
-    assert hour.billing.cost(1000, 0, 0, 1000) == pytest.approx(6000 / 1e6)
-    assert hour.price.cache_write_per_mtok is None  # the pool (and a job's snapshot) unchanged
-    five = AgentConfig(provider="anthropic", model="m", price=Price(input_per_mtok=3.0))
-    assert five.billing.write_per_mtok == pytest.approx(3.75)
-    # a price the pool sets wins
-    set_price = hour.model_copy(update={"price": Price(input_per_mtok=3.0, cache_write_per_mtok=5.0)})
-    assert set_price.billing.write_per_mtok == 5.0
+    assert caches_for_an_hour(AgentConfig(provider="anthropic", model="m", options={"prompt_cache_ttl": "1h"}))
+    assert not caches_for_an_hour(AgentConfig(provider="anthropic", model="m"))
+    assert not caches_for_an_hour(AgentConfig(provider="anthropic", model="m",
+                                              options={"prompt_cache_ttl": "1h", "prompt_cache": False}))
+    # 1,000 written, 400 of them to the hour's cache: each part at its own price
+    price = Price(input_per_mtok=3.0)
+    assert (price.write_per_mtok, price.write_1h_per_mtok) == (pytest.approx(3.75), pytest.approx(6.0))
+    assert price.cost(1000, 0, 0, 1000, 400) == pytest.approx((600 * 3.75 + 400 * 6.0) / 1e6)
+    # a 5-minute price the pool sets (research.yaml's list price) leaves the hour's at its own rate
+    listed = Price(input_per_mtok=3.0, cache_write_per_mtok=3.75)
+    assert listed.cost(1000, 0, 0, 1000, 1000) == pytest.approx(6000 / 1e6)
+    assert Price(input_per_mtok=3.0, cache_write_1h_per_mtok=5.0).cost(1000, 0, 0, 1000, 1000) == \
+        pytest.approx(5000 / 1e6)
+    # never more hour writes than writes
+    assert price.cost(1000, 0, 0, 100, 500) == pytest.approx((900 * 3.0 + 100 * 6.0) / 1e6)
+
+
+def test_writes_are_priced_by_the_lifetime_the_api_reports_not_the_one_asked(
+        server: FakeAnthropicServer) -> None:
+    # asked for the hour, the API reports 300 of 500 writes as 5-minute ones (it kept them 5 minutes)
+    server.script(AnthropicReply(text="ok", input_tokens=100, output_tokens=0, cache_creation_input_tokens=500,
+                                 ephemeral_1h_input_tokens=200))
+    messages = worker_messages(task=TASK, visible=[], instruction="subtask 0")
+    completion = claude(server, prompt_cache_ttl="1h").complete(messages, CallOptions(cache_points=(0,)))
+    assert (completion.input_tokens, completion.cache_write_tokens, completion.cache_write_1h_tokens) == (
+        600, 500, 200)
+    agent = AgentConfig(provider="anthropic", model="m", price=Price(input_per_mtok=3.0),
+                        options={"prompt_cache_ttl": "1h"})
+    assert agent.billing.cost(completion.input_tokens, 0, 0, completion.cache_write_tokens,
+                              completion.cache_write_1h_tokens) == pytest.approx(
+        (100 * 3.0 + 300 * 3.75 + 200 * 6.0) / 1e6)
+
+
+def test_a_step_that_may_write_the_hours_cache_reserves_at_its_price() -> None:
+    price = Price(input_per_mtok=4.0, output_per_mtok=8.0)
+    limits = {"max_cost_usd": 1.0}
+    hour = step_reservation(limits, prompt_tokens=1000, max_tokens=100, price=price, cache_write_tokens=600,
+                            cache_write_1h=True)
+    assert hour.cost_usd == pytest.approx((400 * 4.0 + 600 * 8.0 + 100 * 8.0) / 1e6)
+    # a pool whose hour price is below its 5-minute one: the bound is still the higher (either may be billed)
+    odd = Price(input_per_mtok=4.0, output_per_mtok=8.0, cache_write_per_mtok=6.0, cache_write_1h_per_mtok=5.0)
+    assert step_reservation(limits, prompt_tokens=1000, max_tokens=100, price=odd, cache_write_tokens=600,
+                            cache_write_1h=True).cost_usd == pytest.approx((400 * 4.0 + 600 * 6.0 + 800) / 1e6)
+    spent = Spent(tokens=0, cost_usd=0.0)
+    tight = {"max_cost_usd": (400 * 4.0 + 600 * 8.0 + 50.5 * 8.0) / 1e6}  # room for 50 output tokens, not 51
+    assert allowed_output_tokens(tight, spent, prompt_tokens=1000, max_tokens=4096, price=price,
+                                 cache_write_tokens=600, cache_write_1h=True) == 50
+    assert allowed_output_tokens(tight, spent, prompt_tokens=1000, max_tokens=4096, price=price,
+                                 cache_write_tokens=600) == 50 + int(600 * 3.0 / 8.0)
 
 
 def test_a_jobs_batch_line_carries_every_usage_field_of_get_job() -> None:
