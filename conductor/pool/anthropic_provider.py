@@ -19,7 +19,8 @@ the tokens read from the prompt cache (``cache_read_input_tokens``) and written 
 OpenAI counts it: the three added. Of them, ``cached_input_tokens`` are the cache reads (priced at the
 agent's ``cached_input_per_mtok``) and ``cache_write_tokens`` the writes: those ``usage.cache_creation``
 reports as one-hour ones (``cache_write_1h_tokens``) at ``cache_write_1h_per_mtok`` (unset: twice the input
-price), the rest at ``cache_write_per_mtok`` (unset: 1.25 times it), whatever lifetime was asked for.
+price), the rest at ``cache_write_per_mtok`` (unset: 1.25 times it), whatever lifetime was asked for; a
+response without that split (``usage.cache_creation``) is taken to have written for as long as asked.
 ``reasoning_tokens`` are ``usage.output_tokens_details.thinking_tokens`` (part of ``output_tokens``), 0 when
 not sent or not a count: a detail never fails a call that answered.
 """
@@ -62,8 +63,9 @@ class AnthropicOptions(BaseModel):
     prompt_cache: bool = Field(default=True, strict=True)
     """Mark the prompt prefixes other steps of the job send too for Anthropic's prompt cache."""
     prompt_cache_ttl: Literal["5m", "1h"] = "5m"
-    """How long Anthropic keeps a prefix a call writes (each read renews it): ``5m``, writes at 1.25 times the
-    input price, or ``1h``, at twice it, for jobs whose steps start more than five minutes after the step
+    """How long Anthropic keeps a prefix a call writes (each read renews it): ``5m``, writes at
+    ``cache_write_per_mtok`` (unset: 1.25 times the input price), or ``1h``, at ``cache_write_1h_per_mtok``
+    (unset: twice it), for jobs whose steps start more than five minutes after the step
     that wrote what they read (a long step between them, a slow queue)."""
 
 
@@ -110,6 +112,7 @@ class AnthropicProvider(Provider):
         ends = {conversation.ending_at(p, messages) for p in options.cache_points if p < len(messages)}
         marks = set(sorted(end for end in ends if end is not None)[-MAX_CACHE_MARKERS:])
         headers: dict[str, str] = {}
+        asked_hour = bool(self.options.prompt_cache and marks and self.options.prompt_cache_ttl == "1h")
         if self.options.prompt_cache and marks:  # a call with no marker neither reads nor writes the cache
             ttl = self.options.prompt_cache_ttl
             mark = {"type": "ephemeral"} if ttl == "5m" else {"type": "ephemeral", "ttl": ttl}
@@ -133,14 +136,14 @@ class AnthropicProvider(Provider):
         except (anthropic.AnthropicError, ValueError) as exc:
             raise self._error(exc, options, api_key) from None
         latency_ms = int((time.monotonic() - started) * 1000)
-        return self._completion(response, latency_ms, api_key)
+        return self._completion(response, latency_ms, api_key, asked_hour=asked_hour)
 
     def _output_config(self, options: CallOptions) -> Any:
         if options.json_schema is None or not self.config.structured_output:
             return anthropic.omit
         return {"format": {"type": "json_schema", "schema": options.json_schema}}
 
-    def _completion(self, response: object, latency_ms: int, api_key: str) -> Completion:
+    def _completion(self, response: object, latency_ms: int, api_key: str, *, asked_hour: bool = False) -> Completion:
         if not isinstance(response, AnthropicMessage):
             raise malformed_response(self.where, "expected a JSON message object", secret=api_key)
         try:
@@ -162,13 +165,15 @@ class AnthropicProvider(Provider):
             raise malformed_response(self.where, "usage has the wrong type", secret=api_key)
         raw_reason = str(stop_reason) if stop_reason is not None else "unknown"
         prompt_tokens = input_tokens + max(0, cache_writes) + max(0, cache_reads)  # the module docstring: Usage
+        if type(hour) is not int:  # no split by lifetime (a compatible server): as long as the call asked
+            hour = cache_writes if asked_hour else 0
         return Completion(
             text=text,
             input_tokens=prompt_tokens,
             output_tokens=output_tokens,
             cached_input_tokens=max(0, min(cache_reads, prompt_tokens)),
             cache_write_tokens=max(0, min(cache_writes, prompt_tokens)),
-            cache_write_1h_tokens=max(0, min(hour, cache_writes, prompt_tokens)) if type(hour) is int else 0,
+            cache_write_1h_tokens=max(0, min(hour, cache_writes, prompt_tokens)),
             reasoning_tokens=max(0, min(thinking, output_tokens)) if type(thinking) is int else 0,
             finish_reason=FINISH_REASONS.get(raw_reason, raw_reason),
             model=str(model),

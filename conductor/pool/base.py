@@ -53,7 +53,7 @@ class Completion:
     """Of ``output_tokens``, the model's reasoning (OpenAI's reasoning tokens, Gemini's thoughts)."""
     cache_write_tokens: int = 0
     """Of ``input_tokens``, those the provider wrote to its prompt cache (Anthropic's cache writes, billed
-    above the input price: ``Price.cache_write_per_mtok``)."""
+    above the input price: ``Price.cache_write_per_mtok``, the one-hour ones below at their own)."""
     cache_write_1h_tokens: int = 0
     """Of ``cache_write_tokens``, those written to Anthropic's one-hour cache (``Price.cache_write_1h_per_mtok``),
     as its ``usage.cache_creation`` reports them."""

@@ -202,8 +202,11 @@ class FakeAnthropicServer(FakeProviderServer):
             for name in ("cache_creation_input_tokens", "cache_read_input_tokens"):
                 if getattr(reply, name) is not None:
                     usage[name] = getattr(reply, name)
+            if reply.cache_creation_input_tokens is not None:
+                usage.pop("cache_creation", None)  # the cache model's split no longer adds up to the total
             if reply.ephemeral_1h_input_tokens is not None:
                 hour, all_writes = reply.ephemeral_1h_input_tokens, reply.cache_creation_input_tokens or 0
+                assert 0 <= hour <= all_writes, "a scripted split needs its total (cache_creation_input_tokens)"
                 usage["cache_creation"] = {"ephemeral_5m_input_tokens": all_writes - hour,
                                            "ephemeral_1h_input_tokens": hour}
             if reply.thinking_tokens is not None:

@@ -431,3 +431,63 @@ def test_a_jobs_batch_line_carries_every_usage_field_of_get_job() -> None:
     usage = job_result(job)["usage"]
     assert set(usage) == set(JobUsage.model_fields) - {"planner"}
     assert (usage["cached_input_tokens"], usage["cache_write_tokens"], usage["reasoning_tokens"]) == (4, 3, 2)
+
+
+def test_writes_without_a_lifetime_split_count_as_long_as_the_call_asked(server: FakeAnthropicServer) -> None:
+    # a compatible server (or an older API) reports the writes' total only: a call that asked for the hour is
+    # billed the hour's price for them (not the 5-minute one: that was 37.5 % short), one that did not, not
+    messages = worker_messages(task=TASK, visible=[], instruction="subtask 0")
+    reply = AnthropicReply(text="ok", input_tokens=100, output_tokens=0, cache_creation_input_tokens=500)
+    server.script(reply, reply, reply)
+    hour = claude(server, prompt_cache_ttl="1h").complete(messages, CallOptions(cache_points=(0,)))
+    five = claude(server).complete(messages, CallOptions(cache_points=(0,)))
+    unmarked = claude(server, prompt_cache_ttl="1h").complete(messages, CallOptions())
+    assert [(c.cache_write_tokens, c.cache_write_1h_tokens) for c in (hour, five, unmarked)] == [
+        (500, 500), (500, 0), (500, 0)]
+
+
+def test_the_fake_dates_a_held_write_by_its_request_and_reads_a_list_of_betas(
+        timed: tuple[FakeAnthropicServer, Clock]) -> None:
+    # inside held_writes() a write becomes readable when the block ends, but lives from its request: a clock
+    # that moved on meanwhile does not lengthen its life
+    server, clock = timed
+    marked = {"type": "text", "text": "word " * 20, "cache_control": {"type": "ephemeral"}}
+    body = {"system": [marked], "messages": [{"role": "user", "content": "hi"}]}
+    request = RecordedRequest("POST", "/v1/messages", {}, {}, body, b"")
+    with server.held_writes():
+        assert server._cached_usage(request, body)["cache_creation_input_tokens"] == 20
+        clock.now += 200
+    clock.now += 150  # 350 s after the write, 150 s after the block ended
+    assert server._cached_usage(request, body)["cache_read_input_tokens"] == 0
+    # the beta header as a comma list with spaces, as clients send several
+    listed = RecordedRequest("POST", "/v1/messages", {},
+                             {"anthropic-beta": "other-beta-2025-01-01, extended-cache-ttl-2025-04-11"}, body, b"")
+    hour_body = {**body, "system": [{**marked, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}
+    clock.now += 1000
+    assert server._cached_usage(listed, hour_body)["cache_creation"]["ephemeral_1h_input_tokens"] == 20
+
+
+def test_a_claimed_step_that_may_write_the_hours_cache_reserves_at_the_hours_price() -> None:
+    # the engine's render of a step: pev's plan step on a Claude agent writes the system prefix for the steps
+    # after it, so its reservation prices that prefix at the write price of the cache it asks for
+    from datetime import UTC, datetime
+
+    from conductor.budget import estimate_tokens
+    from conductor.engine import _render
+    from conductor.store.jobs import StepInput
+
+    def reserved(job_id: str, **options: object) -> float:
+        agent = {"provider": "anthropic", "model": "m", "price": {"input_per_mtok": 4.0, "output_per_mtok": 8.0},
+                 "max_tokens": 100, "options": options}
+        row = StepInput(job_status="running", task=TASK, context=None, limits={"max_cost_usd": 1.0},
+                        pool_config={"planner": "template:single", "agents": {"c": agent}},
+                        created_at=datetime.now(UTC), spent_tokens=0, spent_cost_usd=0.0, agent="c",
+                        instruction="subtask 0", access_list=[], tenant="t", unstarted=3, visible=[],
+                        index=0, workflow=[PlannedStep("c", access) for access in PEV])
+        return float(_render(row, job_id, datetime.now(UTC)).values["reserved_usd"])
+
+    system = estimate_tokens(worker_messages(task=TASK, visible=[], instruction="x")[0].content)
+    plain, five, hour = (reserved("job-plain", prompt_cache=False), reserved("job-5m"),
+                         reserved("job-1h", prompt_cache_ttl="1h"))
+    assert five - plain == pytest.approx(system * 4.0 * 0.25 / 1e6)
+    assert hour - plain == pytest.approx(system * 4.0 * 1.0 / 1e6)
