@@ -10,8 +10,8 @@ of two such calls reads at a tenth of the input price what the earlier one wrote
 5-minute cache; a prefix shorter than the model's minimum, 1,024 tokens or more, is neither). With
 ``prompt_cache_ttl: 1h`` the marks ask for the one-hour cache (``"ttl": "1h"``, with the ``anthropic-beta``
 header that introduced it), whose writes cost twice the input price. A prefix no other step sends is never
-marked. A call that marks any sends all its content as text blocks (the form a
-marker needs), so every call that reads or writes a prefix sends it alike.
+marked. A call that marks any sends all its content as text blocks (the form a marker needs), so every call
+that reads or writes a prefix sends it alike.
 
 Usage: Anthropic's ``usage.input_tokens`` counts only the prompt tokens after the last cache breakpoint;
 the tokens read from the prompt cache (``cache_read_input_tokens``) and written to it
