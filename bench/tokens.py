@@ -31,7 +31,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from conductor.context import worker_messages
+from conductor.context import cache_scope, worker_messages
 
 if TYPE_CHECKING:
     from bench.env import Result
@@ -60,6 +60,8 @@ MOA = ("moa 3+1", "moa 3x2+1", "moa 4x2+1")
 
 
 TTLS = ("5m", "1h")
+SCOPE = cache_scope("bench")
+"""Every prompt carries a tenant's cache scope, as the engine's do by default (``prompt_cache_scope``)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,7 +129,7 @@ def with_prompt_cache(tasks: Sequence[str], answer: str, n: Callable[[str], int]
             for task in tasks:
                 def call(i: int, task: str = task, deps: Sequence[Sequence[int]] = deps) -> Completion:
                     visible = [(f"subtask {d}", answer) for d in sorted(deps[i])]
-                    messages = worker_messages(task=task, visible=visible, instruction=f"subtask {i}")
+                    messages = worker_messages(task=task, visible=visible, instruction=f"subtask {i}", scope=SCOPE)
                     points = cache_points(i, [PlannedStep("claude", d) for d in deps], inherited=0)
                     return provider.complete(messages, CallOptions(cache_points=points))
 
@@ -162,7 +164,7 @@ def count(task: str, deps: Sequence[Sequence[int]], answer: str, n: Callable[[st
     total = 0
     for i, ds in enumerate(deps):
         visible = [(f"subtask {d}", answer) for d in ds]
-        messages = worker_messages(task=task, visible=visible, instruction=f"subtask {i}")
+        messages = worker_messages(task=task, visible=visible, instruction=f"subtask {i}", scope=SCOPE)
         total += sum(n(m.content) + 4 for m in messages) + n(answer)  # +4: per-message chat overhead
     return total
 
@@ -183,7 +185,7 @@ def planning(task: str, n: Callable[[str], int]) -> int:
     from conductor.settings import DEFAULT_POOL_FILE
 
     pool = load_pool(DEFAULT_POOL_FILE)
-    messages = build_planner_messages(task, pool, max_steps=5, allow_conductor=True)
+    messages = build_planner_messages(task, pool, max_steps=5, allow_conductor=True, scope=SCOPE)
     plan = json.dumps({"model_ids": [pool.worker_names[0]], "subtasks": [task], "access_lists": [[]]})
     return sum(n(m.content) + 4 for m in messages) + n(plan)
 

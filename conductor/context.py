@@ -2,11 +2,13 @@
 
 Earlier steps reach a worker as prior conversation turns: each visible step's subtask as a user turn
 and its answer as an assistant turn, then the worker's own subtask. The overall task goes in the
-system message so every worker knows what the job is for; nothing else is added.
+system message so every worker knows what the job is for, after the tenant's cache scope (``cache_scope``)
+when there is one; nothing else is added.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -15,8 +17,20 @@ from conductor.pool.base import Message
 WORKER_SYSTEM = (
     "You are one worker in a multi-model workflow. Earlier workers' subtasks and answers that you may "
     "see appear as prior turns. Do only the subtask you are given, completely and concisely.\n\n"
-    "The overall task:\n{task}"
+    "{scope}The overall task:\n{task}"
 )
+
+
+def cache_scope(tenant: str) -> str:
+    """The line a tenant's prompts carry ahead of the first text the tenant wrote (the task): providers cache
+    prompt prefixes per account, and every tenant's calls go through the deployment's accounts, so without it
+    a tenant whose prompt starts like another's (the same document) would read the other's cached prefix and
+    see it in its usage (cached tokens) and timing: that someone sent it minutes ago. The text before it is
+    the same for every tenant (still shared); everything after it is cached for this tenant alone. A hash, so
+    the tenant's name is not sent to the provider; not secret: another tenant cannot put it in its prompts,
+    which start with its own."""
+    digest = hashlib.sha256(b"conductor-queue cache scope\0" + tenant.encode()).hexdigest()[:16]
+    return f"[cache scope {digest}]\n"
 
 
 def worker_messages(
@@ -25,12 +39,14 @@ def worker_messages(
     visible: Sequence[tuple[str, str]],
     instruction: str,
     inherited: Sequence[Message] = (),
+    scope: str = "",
 ) -> list[Message]:
     """``visible`` is the (subtask, answer) of each step the access list grants, in step order.
 
-    ``inherited`` is the context a recursive (child) job received from its parent step.
+    ``inherited`` is the context a recursive (child) job received from its parent step; ``scope`` the job's
+    tenant's ``cache_scope`` (empty: none, ``prompt_cache_scope: shared``).
     """
-    messages = [Message("system", WORKER_SYSTEM.format(task=task)), *inherited]
+    messages = [Message("system", WORKER_SYSTEM.format(task=task, scope=scope)), *inherited]
     for subtask, answer in visible:
         messages.append(Message("user", subtask))
         messages.append(Message("assistant", answer))

@@ -283,7 +283,7 @@ def _claim_roots(job: Job, result: PlanResult, rows: list[dict[str, Any]], roots
                 answers=i == len(rows) - 1, index=i,
                 workflow=[PlannedStep(r["agent"], list(r["access_list"]), r.get("reused_from") is not None)
                           for r in rows])
-            rendered = _render(step_input, job.id, now)
+            rendered = _render(step_input, job.id, now, scope=take.settings.cache_scope(job.tenant))
             owner = _owner(take.worker if not claims else take.beside or take.worker)
             row.update(status=StepStatus.RUNNING, lease_owner=owner, started_at=now, celery_task_id=take.task_id,
                        lease_expires_at=now + timedelta(seconds=take.settings.step_lease_s),
@@ -523,10 +523,12 @@ class _Rendered:
         return self.refusal is None and not self.recursive
 
 
-def _render(row: store.StepInput, job_id: str, now: datetime) -> _Rendered:
+def _render(row: store.StepInput, job_id: str, now: datetime, *, scope: str) -> _Rendered:
+    """``scope``: the tenant's prompt cache scope (``Settings.cache_scope``)."""
     visible = row.visible
     inherited = [Message(m["role"], m["content"]) for m in (row.context or [])]
-    messages = worker_messages(task=row.task, visible=visible, instruction=row.instruction, inherited=inherited)
+    messages = worker_messages(task=row.task, visible=visible, instruction=row.instruction, inherited=inherited,
+                               scope=scope)
     spent = Spent(tokens=row.spent_tokens, cost_usd=row.spent_cost_usd)
     recursive = row.agent == CONDUCTOR_AGENT
     refusal: BudgetExceeded | DeadlineExceeded | None = None
@@ -588,7 +590,7 @@ def _claim(
         row = store.read_step_input(s, job_id=job_id, index=index)
     if row is None or row.job_status != JobStatus.RUNNING:
         return Dispatch()
-    r = _render(row, job_id, utcnow())
+    r = _render(row, job_id, utcnow(), scope=settings.cache_scope(row.tenant))
     claim = store.claim_step_row(
         s, job_id=job_id, index=index, owner=owner, lease_s=settings.step_lease_s, task_id=task_id,
         count_attempt=r.runs, open_below=settings.step_max_attempts, **r.values,

@@ -394,6 +394,19 @@ class Settings(BaseSettings):
                                  "comma-separated") from exc
         return v
 
+    prompt_cache_scope: Literal["tenant", "shared"] = "tenant"
+    """``tenant``: every worker and planner prompt carries its tenant's cache scope (``context.cache_scope``, a
+    line of 16 hex digits of a hash of the tenant) ahead of the task, so no provider's prompt cache
+    (Anthropic's, OpenAI's, Gemini's, vLLM's) serves one tenant's prompt from another's writes, and a tenant
+    cannot tell from its cached tokens or timing what another sent. ``shared``: no such line; tenants whose
+    prompts start alike share cached prefixes (one organization's teams, one deployment per tenant)."""
+
+    def cache_scope(self, tenant: str) -> str:
+        """The line a prompt of ``tenant`` carries ahead of its task (empty when caches are shared)."""
+        from conductor.context import cache_scope
+
+        return cache_scope(tenant) if self.prompt_cache_scope == "tenant" else ""
+
     step_queues: dict[str, str] = Field(default_factory=dict)
     """Agent name -> the Celery queue its steps go to (JSON: ``{"gpt-5": "steps-openai"}``), so one
     provider's slow or rate-limited calls hold only the workers of its own queue. Other agents' steps go

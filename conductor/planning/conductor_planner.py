@@ -39,8 +39,10 @@ def plan_with_model(
     timeout_s: float = CallOptions.timeout_s,
     usage: PlannerUsage | None = None,
     before_call: Callable[[list[Message], PlannerUsage], int] | None = None,
+    scope: str = "",
 ) -> PlanResult:
-    """Plans ``task`` with the model behind ``provider``; ``planner_agent`` names its pool entry.
+    """Plans ``task`` with the model behind ``provider``; ``planner_agent`` names its pool entry; ``scope``:
+    the tenant's prompt cache scope (``context.cache_scope``).
 
     A planner that is not an entry of ``pool`` (a dedicated conductor endpoint) is called with
     the default agent settings and no price.
@@ -55,7 +57,8 @@ def plan_with_model(
         json_schema=workflow_json_schema(pool, max_steps, allow_conductor) if use_schema else None,
     )
     messages = build_planner_messages(
-        task, pool, max_steps=max_steps, allow_conductor=allow_conductor, context=context, nested=nested
+        task, pool, max_steps=max_steps, allow_conductor=allow_conductor, context=context, nested=nested,
+        scope=scope,
     )
     usage = usage if usage is not None else PlannerUsage()  # the caller's, to add to across its retries
 

@@ -124,6 +124,7 @@ def _plan_with_agent(
                 timeout_s=settings.provider_timeout_s,
                 usage=spent,
                 before_call=before_call,
+                scope=settings.cache_scope(job.tenant),
             )
         except PlanningOverBudget:
             raise

@@ -57,15 +57,17 @@ def build_planner_messages(
     allow_conductor: bool,
     context: list[Message] | None = None,
     nested: bool = False,
+    scope: str = "",
 ) -> list[Message]:
     """The static system prompt for ``pool``, then one user message with everything job-specific.
-    ``context``: a recursive step's visible earlier work (``nested``), or a chat's earlier turns."""
+    ``context``: a recursive step's visible earlier work (``nested``), or a chat's earlier turns; ``scope``:
+    the tenant's prompt cache scope (``context.cache_scope``), the user message's first line."""
     return [
         Message(role="system", content=system_prompt(pool)),
         Message(
             role="user",
-            content=_request(task, max_steps=max_steps, allow_conductor=allow_conductor, context=context,
-                             nested=nested),
+            content=scope + _request(task, max_steps=max_steps, allow_conductor=allow_conductor, context=context,
+                                     nested=nested),
         ),
     ]
 

@@ -112,9 +112,10 @@ class AnthropicProvider(Provider):
         ends = {conversation.ending_at(p, messages) for p in options.cache_points if p < len(messages)}
         marks = set(sorted(end for end in ends if end is not None)[-MAX_CACHE_MARKERS:])
         headers: dict[str, str] = {}
-        asked_hour = bool(self.options.prompt_cache and marks and self.options.prompt_cache_ttl == "1h")
-        if self.options.prompt_cache and marks:  # a call with no marker neither reads nor writes the cache
-            ttl = self.options.prompt_cache_ttl
+        marking = bool(self.options.prompt_cache and marks)  # a call with no marker neither reads nor writes
+        ttl = self.options.prompt_cache_ttl
+        asked_hour = marking and ttl == "1h"
+        if marking:
             mark = {"type": "ephemeral"} if ttl == "5m" else {"type": "ephemeral", "ttl": ttl}
             if ttl == "1h":
                 headers["anthropic-beta"] = EXTENDED_CACHE_TTL_BETA

@@ -119,8 +119,9 @@ class FakeAnthropicServer(FakeProviderServer):
         self.count = count
         self.clock = clock
         self._cache: dict[str, float] = {}
-        """Prefix key -> its lifetime in seconds, by the time it was last written or read."""
+        """Prefix key -> its lifetime in seconds, counted from ``_touched[key]``."""
         self._touched: dict[str, float] = {}
+        """Prefix key -> when it was last written or read (``clock()``)."""
         self._held: dict[str, tuple[float, float]] | None = None
         """Inside ``held_writes()``: prefix key -> (lifetime, when its request wrote it)."""
         self._cache_lock = threading.Lock()

@@ -131,14 +131,15 @@ def test_cancel_mid_run(client: httpx.Client) -> None:
 
 
 def test_token_budget_refuses_the_step_that_would_exceed_it(client: httpx.Client) -> None:
-    body = {"task": "t", "workflow": wf(["a", "b", "c"], [[], [0], [1]]), "limits": {"max_tokens": 60}}
+    # step 0: 61 tokens in (the tenant's cache scope among them), 3 out; step 1 would send 66 more
+    body = {"task": "t", "workflow": wf(["a", "b", "c"], [[], [0], [1]]), "limits": {"max_tokens": 67}}
     job = wait_terminal(client, client.post("/v1/jobs", json=body).json()["id"])
     assert job["status"] == "failed" and job["error"]["type"] == "budget_exceeded", job
     steps = client.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
     failed = steps[job["error"]["step"]]
-    assert failed["status"] == "failed" and failed["attempts"] == [] and "token budget 60" in failed["error"]["message"]
+    assert failed["status"] == "failed" and failed["attempts"] == [] and "token budget 67" in failed["error"]["message"]
     assert steps[0]["status"] == "succeeded"  # the budget admitted the first step
-    assert job["usage"]["input_tokens"] + job["usage"]["output_tokens"] <= 60
+    assert job["usage"]["input_tokens"] + job["usage"]["output_tokens"] <= 67
 
 
 def test_deadline_fails_the_job_clearly(client: httpx.Client) -> None:

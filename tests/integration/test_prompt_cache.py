@@ -21,7 +21,7 @@ from conductor.trace import render_trace
 from tests.fakes.anthropic_server import FakeAnthropicServer, Reply, _blocks, ok
 from tests.fakes.http_base import RecordedRequest, count_words
 from tests.fakes.openai_server import FakeOpenAIServer, OpenAIReply
-from tests.integration.conftest import ANTHROPIC_KEY_ENV, ANTHROPIC_TEST_KEY
+from tests.integration.conftest import ANTHROPIC_KEY_ENV, ANTHROPIC_TEST_KEY, new_key
 from tests.integration.harness import wait_terminal
 
 PLAN = {
@@ -172,3 +172,47 @@ def test_steps_seven_minutes_apart_read_an_hours_cache_and_miss_five_minutes(
         assert usage["cost_usd"] == pytest.approx(cost, abs=1e-8), step
     beta = "extended-cache-ttl-2025-04-11" if ttl == "1h" else None
     assert [r.headers.get("anthropic-beta") for r in requests] == [beta] * 3
+
+
+def test_a_tenant_reads_nothing_another_tenant_wrote(client: httpx.Client, api: str, pools_dir: Path) -> None:
+    """The provider's cache is the deployment's account's, shared by every tenant: the same job from two
+    tenants sends prompts that differ from the tenant's cache scope on (``prompt_cache_scope: tenant``, the
+    default), so the second tenant reads none of what the first wrote, while the first tenant's own next
+    job reads its writes (the cache held them: the miss is the scope's doing)."""
+    task = "Should a library keep its archive on tape or on disk for the next twenty years?"
+    with FakeOpenAIServer(reply=planner) as plans, \
+            FakeAnthropicServer(api_key=ANTHROPIC_TEST_KEY, prompt_cache_min_tokens=10) as claude, \
+            httpx.Client(base_url=api, headers={"Authorization": f"Bearer {new_key('tenant-cache-b')}"},
+                         timeout=30) as other:
+        claude.reply_with(worker_reply(claude))
+        pool = {"planner": "planner", "fallback": "template:single", "agents": {
+            "planner": {"provider": "openai_compatible", "model": "conductor", "base_url": plans.base_url},
+            "claude": {"provider": "anthropic", "model": "claude-test", "base_url": claude.base_url,
+                       "api_key_env": ANTHROPIC_KEY_ENV, "price": PRICE}}}
+        (pools_dir / "prompt-cache-tenants.yaml").write_text(yaml.safe_dump(pool))
+
+        def run(tenant: httpx.Client) -> list[dict[str, Any]]:
+            created = tenant.post("/v1/jobs", json={"task": task, "pool": "prompt-cache-tenants"})
+            assert created.status_code == 202, created.text
+            job = wait_terminal(tenant, created.json()["id"])
+            assert job["status"] == "succeeded", job
+            steps: list[dict[str, Any]] = tenant.get(f"/v1/jobs/{job['id']}/steps").json()["data"]
+            assert [s["output"] for s in steps] == ANSWERS
+            return steps
+
+        a_first, b_only, a_again = run(client), run(other), run(client)
+        planner_prompts = [r.body["messages"][1]["content"] for r in plans.requests]
+
+    system = words(a_first[0]["messages"][:1])
+    read = [s["usage"]["cached_input_tokens"] for s in a_first[:1] + b_only[:1] + a_again[:1]]
+    assert read == [0, 0, system]  # b's plan step found nothing of a's first job; a's next job found it all
+    assert b_only[0]["usage"]["cache_write_tokens"] == system  # b wrote its own
+    system_a, system_b = a_first[0]["messages"][0]["content"], b_only[0]["messages"][0]["content"]
+    assert system_a != system_b and a_again[0]["messages"][0]["content"] == system_a
+    for text in (system_a, system_b):
+        scope = text.index("[cache scope ")
+        assert scope < text.index(task) and "tenant" not in text  # ahead of the task; no tenant's name
+    # the planner's prompt (an openai_compatible server caches prefixes on its own): the same static system
+    # prompt for both, then each tenant's scope ahead of the task
+    assert len(planner_prompts) == 3 and planner_prompts[0] == planner_prompts[2] != planner_prompts[1]
+    assert all(p.startswith("[cache scope ") and "tenant" not in p for p in planner_prompts)

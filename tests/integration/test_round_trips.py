@@ -299,7 +299,7 @@ def test_a_root_whose_claim_raises_with_the_plan_is_sent_instead(
 ) -> None:
     job_id = new_chain(2)
 
-    def broken(*_: Any) -> Any:
+    def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("a bug in rendering a root")
 
     monkeypatch.setattr(engine, "_render", broken)

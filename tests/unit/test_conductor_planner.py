@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from conductor.context import cache_scope
 from conductor.planning.conductor_planner import plan_with_model
 from conductor.planning.prompt import (
     MAX_SUBTASK_CHARS,
@@ -222,6 +223,16 @@ def test_the_system_prompt_is_the_same_for_every_job_of_a_pool() -> None:
     assert first[0].content == second[0].content
     assert [m.role for m in first] == [m.role for m in second] == ["system", "user"]
     assert "Task one" in first[-1].content and "Task one" not in first[0].content
+
+
+def test_a_tenants_cache_scope_leads_the_user_message_and_leaves_the_system_prompt_shared() -> None:
+    pool = make_pool()
+    plain = build_planner_messages("Task one", pool, max_steps=5, allow_conductor=True)
+    scoped = [build_planner_messages("Task one", pool, max_steps=5, allow_conductor=True, scope=cache_scope(t))
+              for t in ("tenant-a", "tenant-b")]
+    assert plain[0] == scoped[0][0] == scoped[1][0]  # every tenant's planner calls share the static prefix
+    assert [m[1].content for m in scoped] == [cache_scope(t) + plain[1].content for t in ("tenant-a", "tenant-b")]
+    assert scoped[0][1].content != scoped[1][1].content
 
 
 def test_the_system_prompt_numbers_the_workers_and_shows_three_topologies() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from conductor.context import cache_scope
 from conductor.engine import Dispatch, cancel_job, finalize_job, plan_job, run_step
 from conductor.errors import ErrorType
 from conductor.settings import Settings, get_settings
@@ -115,6 +116,28 @@ def test_a_chain_passes_each_answer_to_the_next_step(settings: Settings) -> None
     assert all("part 0" not in m["content"] for m in steps[2].messages or [])
     assert job.workflow_source == "request" and job.calls == 3
     assert job.input_tokens == sum(st.input_tokens for st in steps) > 0
+
+
+def test_each_prompt_carries_its_tenants_cache_scope_unless_caches_are_shared(settings: Settings) -> None:
+    """Steps claimed by their own message, and roots a worker's planning claims with the plan alike."""
+    from conductor.engine import Taker, run_taken
+
+    _, steps = run(settings, workflow=workflow(["a", "b"], [[], [0]]))
+    assert [(st.messages or [])[0]["content"].count(cache_scope("unit")) for st in steps] == [1, 1]
+    job_id = submit(settings, workflow=workflow(["a", "b"], [[], []]))
+    take = Taker(worker="host/w", task_id="task-x", settings=settings, runs=lambda *_: True, spare=lambda: 1,
+                 beside="host/alongside")
+    due = plan_job(job_id, settings=settings, take=take)
+    assert due.taken is not None and len(due.alongside) == 1  # both roots claimed with the plan
+    for taken in [due.taken, *due.alongside]:
+        drain(run_taken(taken, settings=settings), settings)
+    roots = load(job_id)[1]
+    assert [(st.messages or [])[0]["content"].count(cache_scope("unit")) for st in roots] == [1, 1]
+    _, plain = run(settings.model_copy(update={"prompt_cache_scope": "shared"}),
+                   workflow=workflow(["a", "b"], [[], [0]]))
+    assert [(st.messages or [])[0]["content"].count("[cache scope") for st in plain] == [0, 0]
+    assert [(st.messages or [])[0]["content"] for st in plain] == [
+        (st.messages or [])[0]["content"].replace(cache_scope("unit"), "") for st in steps]
 
 
 def test_the_n_graph_runs_each_step_once_after_its_own_dependencies(settings: Settings) -> None:

@@ -5,18 +5,21 @@ a later call reads only what an earlier call's markers wrote."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
+from pydantic import ValidationError
 
 from conductor.budget import Spent, allowed_output_tokens, step_reservation
-from conductor.context import PlannedStep, cache_points, worker_messages
+from conductor.context import PlannedStep, cache_points, cache_scope, worker_messages
 from conductor.pool.anthropic_provider import AnthropicProvider
 from conductor.pool.base import CallOptions, Completion, Message
 from conductor.pool.chat_turns import to_conversation
 from conductor.pool.config import AgentConfig, PoolConfig, Price
 from conductor.pool.errors import ConfigError
 from conductor.pool.registry import build_provider, caches_for_an_hour, caches_on_request
+from conductor.settings import Settings
 from tests.fakes.anthropic_server import AnthropicReply, FakeAnthropicServer, _blocks
 from tests.fakes.http_base import RecordedRequest, count_words
 
@@ -484,10 +487,35 @@ def test_a_claimed_step_that_may_write_the_hours_cache_reserves_at_the_hours_pri
                         created_at=datetime.now(UTC), spent_tokens=0, spent_cost_usd=0.0, agent="c",
                         instruction="subtask 0", access_list=[], tenant="t", unstarted=3, visible=[],
                         index=0, workflow=[PlannedStep("c", access) for access in PEV])
-        return float(_render(row, job_id, datetime.now(UTC)).values["reserved_usd"])
+        return float(_render(row, job_id, datetime.now(UTC), scope="").values["reserved_usd"])
 
     system = estimate_tokens(worker_messages(task=TASK, visible=[], instruction="x")[0].content)
     plain, five, hour = (reserved("job-plain", prompt_cache=False), reserved("job-5m"),
                          reserved("job-1h", prompt_cache_ttl="1h"))
     assert five - plain == pytest.approx(system * 4.0 * 0.25 / 1e6)
     assert hour - plain == pytest.approx(system * 4.0 * 1.0 / 1e6)
+
+
+# --- one tenant's prefixes are its own ----------------------------------------------------------------------
+
+
+def test_a_tenants_cache_scope_is_its_own_and_does_not_name_it() -> None:
+    a, b = cache_scope("tenant-a"), cache_scope("tenant-b")
+    assert a == cache_scope("tenant-a") and a != b
+    assert re.fullmatch(r"\[cache scope [0-9a-f]{16}\]\n", a) and "tenant" not in a
+
+
+def test_the_scope_sits_after_the_text_every_tenant_shares_and_before_the_task() -> None:
+    plain = worker_messages(task=TASK, visible=[], instruction="x")[0].content
+    scoped = worker_messages(task=TASK, visible=[], instruction="x", scope=cache_scope("t"))[0].content
+    shared = plain[:plain.index("The overall task")]
+    assert scoped.startswith(shared) and scoped.index("[cache scope") == len(shared)
+    assert scoped.replace(cache_scope("t"), "", 1) == plain
+
+
+def test_settings_scope_prompts_by_tenant_unless_caches_are_shared() -> None:
+    assert Settings().prompt_cache_scope == "tenant"
+    assert Settings().cache_scope("tenant-a") == cache_scope("tenant-a")
+    assert Settings(prompt_cache_scope="shared").cache_scope("tenant-a") == ""
+    with pytest.raises(ValidationError):
+        Settings(prompt_cache_scope="per-job")  # type: ignore[arg-type]
