@@ -252,6 +252,32 @@ def test_bad_lines_fail_alone_and_land_in_the_error_file(oai: openai.OpenAI) -> 
     assert gone.status_code == 410 and gone.json()["error"]["code"] == "file_deleted", gone.text
 
 
+def test_a_line_whose_keys_postgres_cannot_store_fails_alone(oai: openai.OpenAI) -> None:
+    """A refused line's error names its own keys (an unknown field, a body field the request does not
+    have): a NUL or a lone surrogate there made the stored error unstorable, and the flush of the next line
+    failed the whole batch (500, or 400 without a line number when it was the last line). Each such line
+    fails alone now, its error naming the key escaped; the lines around it run."""
+    good = {"task": "fine", "workflow": {"model_ids": ["b"], "subtasks": ["do it"], "access_lists": [[]]}}
+    lines = [
+        job_line("first", good),
+        {**job_line("nul-field", good), "\u0000": 1},
+        job_line("nul-body-field", {**good, "\u0000": 1}),
+        {**job_line("surrogate-field", good), "\ud800": 1},
+        job_line("last", good),
+    ]
+    uploaded = oai.files.create(file=("keys.jsonl", jsonl(lines)), purpose="batch")
+    batch = wait_batch(oai, oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs",
+                                               completion_window="24h").id)
+    assert batch.request_counts is not None
+    assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 2, 3)
+    assert [ok["custom_id"] for ok in lines_of(oai, batch.output_file_id)] == ["first", "last"]
+    errors = {e["custom_id"]: e["error"] for e in lines_of(oai, batch.error_file_id)}
+    assert errors["nul-field"] == {"code": "invalid_request", "message": "line 2: unknown field(s) \\u0000"}
+    assert errors["nul-body-field"]["code"] == "invalid_body"
+    assert errors["nul-body-field"]["message"].startswith("line 3: invalid body: \\u0000:"), errors
+    assert errors["surrogate-field"] == {"code": "invalid_request", "message": "line 4: unknown field(s) \\ud800"}
+
+
 def test_the_file_is_refused_whole_for_duplicates_and_malformed_lines(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as dup:
         oai.files.create(file=("d.jsonl", jsonl([chat_line("a", "x"), chat_line("b", "y"), chat_line("a", "z")])),
