@@ -13,12 +13,14 @@ alone)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,7 +32,7 @@ from conductor.quotas import STREAM_TTL_S, STREAMS_KEY
 from conductor.service.app import create_app
 from conductor.settings import get_settings
 from tests.integration.conftest import new_key
-from tests.integration.harness import start_api
+from tests.integration.harness import Proc, start_api
 
 RELEASE_WAIT_S = 15.0
 """How long a released slot may take to be seen gone (the release is one Redis command after the
@@ -50,16 +52,24 @@ def slots() -> redis.Redis:
     return redis.Redis.from_url(get_settings().broker_url)
 
 
+@dataclass(frozen=True)
+class Quiet:
+    api: str
+    slots: redis.Redis
+    """Where its stream slots are counted (its broker)."""
+    proc: Proc
+
+
 @pytest.fixture(scope="module")
-def quiet(proc_env: dict[str, str]) -> Iterator[tuple[str, redis.Redis]]:
+def quiet(proc_env: dict[str, str]) -> Iterator[Quiet]:
     """A real API (``conductor serve``) whose broker is ``QUIET_DB``, which no worker consumes: its jobs stay
-    queued, and its stream slots are counted there (the Redis client returned)."""
+    queued, and its stream slots are counted there."""
     url = urlsplit(get_settings().broker_url)._replace(path=f"/{QUIET_DB}").geturl()
     broker = redis.Redis.from_url(url)
     broker.flushdb()
     proc, api = start_api({**proc_env, "CONDUCTOR_BROKER_URL": url})
     try:
-        yield api, broker
+        yield Quiet(api, broker, proc)
     finally:
         proc.stop()
         broker.flushdb()
@@ -134,40 +144,58 @@ def count_soon(seen: list[str], command: str, n: int) -> bool:
     return seen.count(command) == n
 
 
-def test_a_client_gone_before_the_first_byte_releases_its_slot(quiet: tuple[str, redis.Redis]) -> None:
+def test_a_client_gone_before_the_first_byte_releases_its_slot(quiet: Quiet) -> None:
     """Clients that send their request and leave at once, having read nothing: each slot the server took
     (seen in Redis) is released, and the tenant holds none."""
-    api, slots = quiet
-    key, job_id = tenant_with_job(api, "leaves-at-once")
+    key, job_id = tenant_with_job(quiet.api, "leaves-at-once")
     with slot_commands("leaves-at-once") as seen:
         for _ in range(5):
-            raw_request(api, f"/v1/jobs/{job_id}/events", key).close()
+            raw_request(quiet.api, f"/v1/jobs/{job_id}/events", key).close()
         assert count_soon(seen, "ZADD", 5), seen  # the server took a slot for each
         assert count_soon(seen, "ZREM", 5), seen  # and gave each back
-    assert held(slots, "leaves-at-once") == 0
+    assert held(quiet.slots, "leaves-at-once") == 0
 
 
-def test_a_client_gone_mid_stream_releases_its_slot(quiet: tuple[str, redis.Redis]) -> None:
-    api, slots = quiet
-    key, job_id = tenant_with_job(api, "leaves-mid-stream")
-    with (httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client,
+def first_event(lines: Iterator[str]) -> str:
+    """The stream's first event, whole (its lines up to the blank one ending it)."""
+    event: list[str] = []
+    for line in lines:
+        if not line and event:
+            break
+        if line:
+            event.append(line)
+    return "\n".join(event)
+
+
+def open_and_serving(quiet: Quiet, tenant: str, lines: Iterator[str]) -> None:
+    """The stream's first event tells its job still queued (a stream that ended at once, its job ended or
+    its read failed, would have given its slot back already), and the stream holds its slot; else the
+    API's log says why."""
+    event = first_event(lines)
+    kind, _, data = event.partition("\n")
+    assert kind == "event: job" and json.loads(data.removeprefix("data: "))["status"] == "queued", (
+        f"{event}\n-- the API's log:\n{quiet.proc.tail()}")
+    assert held(quiet.slots, tenant) == 1, f"the stream holds no slot; the API's log:\n{quiet.proc.tail()}"
+
+
+def test_a_client_gone_mid_stream_releases_its_slot(quiet: Quiet) -> None:
+    key, job_id = tenant_with_job(quiet.api, "leaves-mid-stream")
+    with (httpx.Client(base_url=quiet.api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client,
           client.stream("GET", f"/v1/jobs/{job_id}/events") as stream):
         assert stream.status_code == 200
-        assert next(stream.iter_lines()).startswith("event: ")  # the stream is open and serving
-        assert held(slots, "leaves-mid-stream") == 1
-    assert released_soon(slots, "leaves-mid-stream"), "a slot was left to lapse"
+        open_and_serving(quiet, "leaves-mid-stream", stream.iter_lines())
+    assert released_soon(quiet.slots, "leaves-mid-stream"), "a slot was left to lapse"
 
 
-def test_a_stream_that_ends_releases_its_slot(quiet: tuple[str, redis.Redis]) -> None:
-    api, slots = quiet
-    key, job_id = tenant_with_job(api, "stream-ends")
-    with (httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client,
+def test_a_stream_that_ends_releases_its_slot(quiet: Quiet) -> None:
+    key, job_id = tenant_with_job(quiet.api, "stream-ends")
+    with (httpx.Client(base_url=quiet.api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client,
           client.stream("GET", f"/v1/jobs/{job_id}/events") as stream):
         lines = stream.iter_lines()
-        assert next(lines).startswith("event: ")
+        open_and_serving(quiet, "stream-ends", lines)
         assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
         assert any('"cancelled"' in line for line in lines)  # then the stream ends
-    assert released_soon(slots, "stream-ends"), "a slot was left to lapse"
+    assert released_soon(quiet.slots, "stream-ends"), "a slot was left to lapse"
 
 
 def asgi_leaving(method: str, path: str, key: str, body: bytes, *, leaves_at: str,
@@ -219,14 +247,14 @@ def in_process() -> Iterator[None]:
 @pytest.mark.parametrize("leaves_at", ["http.response.start", "http.response.body"])
 @pytest.mark.parametrize("route", ["events", "chat", "responses", "responses-get"])
 def test_a_stream_whose_client_left_while_a_message_was_sent_releases_its_slot_at_once(
-    quiet: tuple[str, redis.Redis], slots: redis.Redis, in_process: None, leaves_at: str, route: str
+    quiet: Quiet, slots: redis.Redis, in_process: None, leaves_at: str, route: str
 ) -> None:
     """A client gone while the response's head was being sent: the body's generator never started, and
     the slot stayed held until it lapsed (60 s). Gone while an event was being sent: the generator stayed
     suspended at its ``yield``, closed (and the slot released) only when garbage-collected. The slot is
     seen held when the client leaves, and free when the app has returned."""
     tenant = f"gone-{route}-{leaves_at.rsplit('.', 1)[1]}"
-    key, job_id = tenant_with_job(quiet[0], tenant)  # (its slots: the in-process app's, on ``slots``)
+    key, job_id = tenant_with_job(quiet.api, tenant)  # (its slots: the in-process app's, on ``slots``)
     if route == "events":
         method, path, body = "GET", f"/v1/jobs/{job_id}/events", b""
     elif route == "chat":
@@ -235,7 +263,7 @@ def test_a_stream_whose_client_left_while_a_message_was_sent_releases_its_slot_a
     elif route == "responses":
         method, path, body = "POST", "/v1/responses", b'{"model": "conductor", "stream": true, "input": "t"}'
     else:  # a stored response streamed (GET ...?stream=true): a background one, queued on the quiet API
-        r = httpx.post(f"{quiet[0]}/v1/responses", json={"model": "conductor", "input": "t", "background": True},
+        r = httpx.post(f"{quiet.api}/v1/responses", json={"model": "conductor", "input": "t", "background": True},
                        headers={"Authorization": f"Bearer {key}"}, timeout=30)
         assert r.status_code == 200 and r.json()["status"] == "queued", r.text
         method, path, body = "GET", f"/v1/responses/{r.json()['id']}?stream=true", b""
