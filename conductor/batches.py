@@ -36,6 +36,7 @@ from conductor.openai_wire import (
     ResponseCreateRequest,
     jsonl_lines,
 )
+from conductor.pool.base import storable_escaped
 from conductor.responses import response_job, response_object, response_row
 from conductor.settings import Settings
 from conductor.store import batches as store
@@ -52,7 +53,7 @@ from conductor.store.models import (
     StoredFile,
     utcnow,
 )
-from conductor.submission import JobCreate, SubmissionError, create_job, storable_text, unstorable
+from conductor.submission import JobCreate, SubmissionError, create_job, unstorable
 from conductor.workflow import CONDUCTOR_AGENT, MAX_REPORTED_ERRORS
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ def create_batch(
             request.error_code, request.error = "invalid_body", f"line {item.line}: a value cannot be stored"
         if request.error is not None:
             # (it may name the line's own keys: a NUL or a lone surrogate there failed the whole batch's flush)
-            request.error = storable_text(request.error)
+            request.error = storable_escaped(request.error)
         if request.error is not None and len(request.error) > MAX_LINE_ERROR_CHARS:
             cut = " ... (error cut at 1,000 characters)"
             request.error = request.error[:MAX_LINE_ERROR_CHARS - len(cut)] + cut

@@ -147,12 +147,6 @@ def unstorable(value: Any) -> str | None:
     return None
 
 
-def storable_text(text: str) -> str:
-    """``text`` as Postgres can store it: NUL characters and unpaired surrogates, which a client's field
-    names or values may carry into an error message, written as their escapes (``\\u0000``, ``\\ud800``)."""
-    return text.replace("\x00", "\\u0000").encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 class SubmissionError(ValueError):
     """A request that cannot become a job; ``kind`` says why (the service maps it to an HTTP status)."""
 

@@ -210,11 +210,25 @@ def _check_step(
                                  "invisible characters)"))
     elif len(instruction) > max_chars:
         errors.append(FieldError((*here, "instruction"), f"{len(instruction)} characters; at most {max_chars}"))
+    elif not _storable(instruction):
+        # a planner's JSON escape (\u0000, half of a surrogate pair) decodes to what Postgres cannot store
+        errors.append(FieldError((*here, "instruction"), "must not contain NUL characters or unpaired surrogates"))
     access, access_errors = _check_access(i, item.get("access_list", []), (*here, "access_list"))
     errors.extend(access_errors)
     if errors:
         return None, errors
     return Step(agent=str(agent), instruction=str(instruction), access_list=access), []
+
+
+def _storable(text: str) -> bool:
+    """Whether Postgres text can hold ``text``: no NUL, no unpaired surrogate."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _blank(text: str) -> bool:

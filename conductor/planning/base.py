@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from conductor.errors import BudgetExceeded
+from conductor.pool.base import storable_escaped
 from conductor.workflow import Workflow
 
 WorkflowSource = Literal["planner", "request", "fallback", "replay"]
@@ -40,6 +41,11 @@ class PlanResult:
     """Why the planner's output was rejected, when it was."""
     attempts: int = 0
     usage: PlannerUsage = field(default_factory=PlannerUsage)
+
+    def __post_init__(self) -> None:
+        # the refusal quotes the planner's output (an unknown agent's name): stored as the job's planner_error
+        if self.error is not None:
+            self.error = storable_escaped(self.error)
 
 
 class PlanningOverBudget(BudgetExceeded):

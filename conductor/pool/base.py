@@ -60,6 +60,16 @@ class Completion:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", storable_text(self.text))
+        # as the server named them, into step.model and step.finish_reason (VARCHAR 256, 64): one a server
+        # sent that the columns could not hold failed the step's record, and the paid answer was lost
+        object.__setattr__(self, "model", storable_text(self.model)[:MAX_MODEL_CHARS])
+        object.__setattr__(self, "finish_reason", storable_text(self.finish_reason)[:MAX_FINISH_REASON_CHARS])
+
+
+MAX_MODEL_CHARS = 256
+"""The longest model name a completion reports as stored (``step.model``)."""
+MAX_FINISH_REASON_CHARS = 64
+"""The longest finish reason a completion reports as stored (``step.finish_reason``)."""
 
 
 def storable_text(text: str) -> str:
@@ -73,6 +83,17 @@ def storable_text(text: str) -> str:
             text.encode("utf-8")
         except UnicodeEncodeError:
             text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
+def storable_escaped(text: str) -> str:
+    """``text`` with what Postgres text cannot hold written as its escape: NUL as ``\\u0000``, an unpaired
+    surrogate as ``\\ud83d``. For messages (errors, refusals) that quote what a client, a model or a
+    provider sent, where the reader wants to see what was there."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\u0000")
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
 
 

@@ -7,6 +7,7 @@ failures (budgets, deadlines, lost workers) are ``conductor.errors.ConductorErro
 from __future__ import annotations
 
 from conductor.errors import ErrorType
+from conductor.pool.base import storable_escaped
 
 
 class ProviderError(Exception):
@@ -16,7 +17,9 @@ class ProviderError(Exception):
     error_type: ErrorType = ErrorType.PROVIDER_ERROR
 
     def __init__(self, message: str, *, status: int | None = None):
-        super().__init__(message)
+        # stored as the attempt's (and a failed step's) error: a provider's error body may carry a NUL or
+        # an unpaired surrogate, which failed that record and left the step to its lease
+        super().__init__(storable_escaped(message))
         self.status = status
 
 

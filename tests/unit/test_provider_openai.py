@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conductor.pool.base import CallOptions, Message, storable_text
+from conductor.pool.base import CallOptions, Message, storable_escaped, storable_text
 from conductor.pool.config import AgentConfig, load_pool
 from conductor.pool.errors import (
     AuthError,
@@ -179,6 +179,17 @@ def test_text_the_store_cannot_hold_is_made_storable(server: FakeOpenAIServer) -
     server.script(ok("a\u0000b"))
     assert make_provider(server).complete(MESSAGES, CallOptions()).text == "a\ufffdb"
     assert storable_text("x\ud83dy") == "x?y" and storable_text("plain \u00e9") == "plain \u00e9"
+
+
+def test_what_a_server_names_and_its_errors_are_made_storable(server: FakeOpenAIServer) -> None:
+    # the model name and finish reason go into VARCHAR 256 / 64 columns; an error message into the attempt's
+    server.script(ok("fine", model="m" * 300 + "\u0000", finish_reason="stop"), error(400, "bad \u0000 \ud83d"))
+    done = make_provider(server).complete(MESSAGES, CallOptions())
+    assert done.model == "m" * 256 and done.finish_reason == "stop"
+    with pytest.raises(BadRequest) as refused:
+        make_provider(server).complete(MESSAGES, CallOptions())
+    assert "bad \\u0000 \\ud83d" in str(refused.value)
+    assert storable_escaped("a\u0000b\ud83dc") == "a\\u0000b\\ud83dc" and storable_escaped("é") == "é"
 
 
 def test_messages_model_and_temperature_go_on_the_wire_unchanged(server: FakeOpenAIServer) -> None:

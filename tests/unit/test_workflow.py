@@ -103,6 +103,14 @@ def test_instruction_length_limit() -> None:
     assert "50 characters; at most 10" in msg
 
 
+@pytest.mark.parametrize("unstorable", ["Fix \u0000 it", "half \ud83d a pair"])
+def test_an_instruction_postgres_cannot_store_is_refused(unstorable: str) -> None:
+    # a planner's JSON escape decodes to it; stored, the plan's record failed and the planning was re-run
+    raw = {"model_ids": ["a", "b"], "subtasks": ["fine", unstorable], "access_lists": [[], []]}
+    assert errors_of(raw) == [(("workflow", "steps", 1, "instruction"),
+                               "must not contain NUL characters or unpaired surrogates")]
+
+
 def test_critical_path_of_a_diamond() -> None:
     length, path = critical_path([[], [0], [0], [1, 2]], [1.0, 2.0, 5.0, 1.0])
     assert length == 7.0 and path == [0, 2, 3]
