@@ -109,7 +109,7 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
         never = store.jobs_never_enqueued(s, older_than=now - timedelta(seconds=ENQUEUE_GRACE_S))
         lost = []
         for job in store.jobs_stuck_queued(s, older_than=now - timedelta(seconds=stale_s)):
-            if job.enqueued_at is not None and due(job.enqueued_at, job.plan_resends, stale_s, now):
+            if due(job.enqueued_at, job.plan_resends, stale_s, now):
                 lost.append(job.id)
                 store.update_job(s, job_id=job.id, plan_resends=job.plan_resends + 1)
         silent_s = max(settings.planning_stale_s, settings.step_lease_s)  # a few missed heartbeats

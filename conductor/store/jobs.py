@@ -1313,13 +1313,23 @@ def jobs_never_enqueued(session: Session, *, older_than: datetime, limit: int = 
     return list(session.exec(stmt.limit(limit)))
 
 
-def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 500) -> list[Job]:
+@dataclass(frozen=True)
+class QueuedJob:
+    """What the reconciler reads of a queued job whose plan message was sent: not the row, whose task and
+    workflow may be a megabyte each, read 500 at a time every pass while a backlog waits."""
+
+    id: str
+    enqueued_at: datetime
+    plan_resends: int
+
+
+def jobs_stuck_queued(session: Session, *, older_than: datetime, limit: int = 500) -> list[QueuedJob]:
     """Queued jobs whose plan message was sent a while ago but not yet picked up (lost, or waiting), oldest
     first: read in ``ix_job_queued``'s order, not by sorting the whole queued backlog each pass."""
-    stmt = select(Job).where(
-        sa.text(QUEUED_SQL), col(Job.enqueued_at).is_not(None), col(Job.enqueued_at) < older_than
-    )
-    return list(session.exec(stmt.order_by(col(Job.enqueued_at)).limit(limit)))
+    stmt = (sa.select(JOB.c.id, JOB.c.enqueued_at, JOB.c.plan_resends)
+            .where(sa.text(QUEUED_SQL), JOB.c.enqueued_at.is_not(None), JOB.c.enqueued_at < older_than)
+            .order_by(JOB.c.enqueued_at).limit(limit))
+    return [QueuedJob(*row) for row in session.execute(stmt)]
 
 
 def batch_work(session: Session, *, job_ids: Sequence[str]) -> set[str]:
