@@ -250,6 +250,8 @@ class ResponseCreateRequest(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     stream_options: dict[str, Any] | None = None
     tools: Annotated[list[Any], Field(max_length=0)] | None = Field(default=None, description="Only `[]`.")
+    include: Annotated[list[Any], Field(max_length=0)] | None = Field(
+        default=None, description="Only `[]` (the OpenAI Agents SDK sends it on every call).")
     tool_choice: Literal["none", "auto"] | None = None
 
     @field_validator("input", mode="before")

@@ -328,7 +328,9 @@ def test_another_tenant_and_other_jobs_are_not_found(oai: openai.OpenAI, api: st
 
 
 def test_refusals_have_the_openai_shape_and_say_what_to_do(oai: openai.OpenAI, http: httpx.Client) -> None:
-    done = oai.responses.create(model="conductor", input="kept")
+    # what the OpenAI Agents SDK sends on every call of an agent without tools: accepted
+    done = oai.responses.create(model="conductor", input="kept", include=[], tools=[], parallel_tool_calls=False)
+    assert done.status == "completed", done
     with pytest.raises(openai.BadRequestError) as deleted:
         oai.responses.delete(done.id)
     assert deleted.value.code == "response_not_deletable" and "cancel" in deleted.value.message
@@ -346,6 +348,9 @@ def test_refusals_have_the_openai_shape_and_say_what_to_do(oai: openai.OpenAI, h
     with pytest.raises(openai.BadRequestError) as tools:
         oai.responses.create(model="conductor", input="x", tools=[{"type": "web_search"}])
     assert "tools" in (tools.value.param or "")
+    with pytest.raises(openai.BadRequestError) as included:  # extra output data this API does not produce
+        oai.responses.create(model="conductor", input="x", include=["message.output_text.logprobs"])
+    assert "include" in (included.value.param or "")
     with pytest.raises(openai.BadRequestError) as resumed:
         oai.responses.retrieve(done.id, starting_after=3)  # a resume's number, without stream=true
     assert resumed.value.param == "starting_after" and "stream=true" in resumed.value.message
