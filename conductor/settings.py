@@ -349,6 +349,11 @@ class Settings(BaseSettings):
     webhook_timeout_s: float = Field(default=15.0, gt=0, le=120)
     webhook_retry_after_max_s: float = Field(default=36000.0, ge=0)
     """A receiver's ``Retry-After`` is honoured up to this long."""
+    webhook_tenant_max_in_flight: int = Field(default=4, ge=1, le=10_000)
+    """Attempts one tenant may have in flight at once, across every webhooks worker. A due attempt past it
+    is put off (not counted as an attempt) and comes back later, so that one tenant's slow or silent
+    receivers hold at most this many worker slots for ``webhook_timeout_s`` each, and every other tenant's
+    webhooks still go out. Keep it below a webhooks worker's ``--concurrency``."""
     webhook_allow_loopback: bool = False
     """Let webhooks target 127.0.0.0/8 and ::1 (tests, a receiver on the same host). Private, link-local,
     metadata and other non-global addresses stay refused."""

@@ -278,6 +278,9 @@ class Delivery(BaseModel):
     next_attempt_at: Timestamp | None = Field(description="when the next attempt is due; null once settled")
     created_at: Timestamp
     finished_at: Timestamp | None
+    deferrals: int = Field(description="times a due attempt was put off, not made, because the tenant already "
+                                       "had CONDUCTOR_WEBHOOK_TENANT_MAX_IN_FLIGHT attempts in flight; not "
+                                       "attempts (the retry schedule does not count them)")
     attempts: list[DeliveryAttempt]
 
 

@@ -91,6 +91,7 @@ QUEUED_SQL = "status = 'queued'"
 TOP_LEVEL_SQL = "parent_job_id IS NULL"
 """A job of its own, not a recursive step's child: what ``GET /v1/jobs`` lists."""
 NOT_ROLLED_UP_SQL = "metrics_rolled_up_at IS NULL"
+PENDING_DELIVERY_SQL = "status = 'pending'"
 """A job or webhook delivery whose numbers are not yet in ``metrics_rollup`` (``conductor.store.metrics``):
 what a scrape still aggregates row by row, found by a partial index of that predicate."""
 
@@ -414,6 +415,9 @@ class WebhookDelivery(SQLModel, table=True):
         sa.Index("ix_webhook_delivery_status_next", "status", "next_attempt_at"),
         sa.Index("ix_webhook_delivery_metrics_unrolled", "finished_at", postgresql_where=sa.text(NOT_ROLLED_UP_SQL),
                  sqlite_where=sa.text(NOT_ROLLED_UP_SQL)),
+        # a claim counts its tenant's attempts in flight and deliveries waiting (store.webhooks.claim_delivery)
+        sa.Index("ix_webhook_delivery_pending_tenant", "tenant", "lease_expires_at", "next_attempt_at",
+                 postgresql_where=sa.text(PENDING_DELIVERY_SQL), sqlite_where=sa.text(PENDING_DELIVERY_SQL)),
     )
 
     id: str = Field(primary_key=True, max_length=40)
@@ -432,6 +436,9 @@ class WebhookDelivery(SQLModel, table=True):
     """When the message for the next attempt is due at a worker; NULL means none was sent (the
     reconciler sends it when the attempt is due)."""
     resends: int = 0
+    deferrals: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    """Times a due attempt was put off, not made, because the tenant already had its most attempts in
+    flight (``webhook_tenant_max_in_flight``); not attempts: the backoff schedule does not count them."""
     created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
     finished_at: datetime | None = _ts()
     metrics_rolled_up_at: datetime | None = _ts()

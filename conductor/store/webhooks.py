@@ -17,6 +17,7 @@ from sqlmodel import Session, col, select
 
 from conductor.sealed import SealError, needs_sealing, seal, unseal
 from conductor.store.db import in_id_order
+from conductor.store.jobs import lock_tenant
 from conductor.store.models import (
     DeliveryStatus,
     Job,
@@ -245,19 +246,69 @@ def mark_sent(session: Session, *, delivery_ids: Sequence[str], due_at: datetime
 
 CLAIM_EARLY_S = 1.0
 """A message may run this much before its attempt is due (the countdown and the row's clock differ)."""
+DEFER_FIRST_S = 1.0
+"""A delivery put off for its tenant's cap first comes back after about this long; each later deferral of
+it doubles the wait, up to ``Deferred``'s ceiling."""
 
 
-def claim_delivery(session: Session, *, delivery_id: str, lease_s: float) -> WebhookDelivery | None:
-    """Takes the next attempt if it is due and none is in flight; returns the row, or None."""
+@dataclass(frozen=True)
+class Deferred:
+    """A due attempt put off, not made: its tenant already had ``in_flight`` attempts in flight (its cap).
+    It comes back in ``in_s`` seconds; no attempt is counted."""
+
+    in_s: float
+    in_flight: int
+    waiting: int
+
+
+def defer_for(deferrals: int, *, waiting: int, cap: int, attempt_s: float, jitter: float) -> float:
+    """How long a delivery put off for the ``deferrals``-th time before waits: doubling from
+    ``DEFER_FIRST_S`` (a burst to a fast receiver gets through in a few seconds), up to about as long as
+    the tenant's ``waiting`` deliveries take at ``cap`` attempts of ``attempt_s`` (the attempt's timeout,
+    at least two), so that however many a tenant has waiting they come back at about ``cap`` per
+    ``attempt_s``, not all at once. ``jitter`` (0.5 to 1.5) spreads the ones put off together."""
+    ceiling = attempt_s * max(2.0, waiting / cap)
+    return min(DEFER_FIRST_S * 2.0 ** min(deferrals, 30), ceiling) * jitter
+
+
+def claim_delivery(session: Session, *, delivery_id: str, lease_s: float, tenant_max_in_flight: int | None = None,
+                   attempt_s: float = 15.0, jitter: float = 1.0) -> WebhookDelivery | Deferred | None:
+    """Takes the next attempt if it is due and none is in flight; returns the row, or None. With
+    ``tenant_max_in_flight``: when the tenant already has that many attempts in flight (leases not expired,
+    across every worker: claims of one tenant take its lock in turn), the due attempt is put off instead:
+    its due time moves ``defer_for`` later and no message is noted as sent (the caller sends one for then, or
+    the reconciler does), and ``Deferred`` is returned."""
     now = utcnow()
+    found = session.execute(
+        sa.select(col(WebhookDelivery.tenant), col(WebhookDelivery.deferrals))
+        .where(col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.status) == DeliveryStatus.PENDING)
+    ).first()
+    if found is None:
+        return None
+    tenant, deferrals = str(found[0]), int(found[1])
+    early = now + timedelta(seconds=CLAIM_EARLY_S)
+    free = sa.or_(col(WebhookDelivery.lease_expires_at).is_(None), col(WebhookDelivery.lease_expires_at) < now)
+    claimable = (col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.status) == DeliveryStatus.PENDING,
+                 col(WebhookDelivery.next_attempt_at) <= early, free)
+    if tenant_max_in_flight is not None:
+        lock_tenant(session, tenant=tenant, scope="webhooks")
+        in_flight, waiting = session.execute(
+            sa.select(sa.func.count().filter(col(WebhookDelivery.lease_expires_at) >= now),
+                      sa.func.count().filter(sa.and_(free, col(WebhookDelivery.next_attempt_at) <= early)))
+            .where(col(WebhookDelivery.tenant) == tenant, col(WebhookDelivery.status) == DeliveryStatus.PENDING)
+        ).one()
+        if in_flight >= tenant_max_in_flight:
+            wait = defer_for(deferrals, waiting=waiting, cap=tenant_max_in_flight, attempt_s=attempt_s,
+                             jitter=jitter)
+            put_off = session.execute(
+                sa.update(WebhookDelivery).where(*claimable).values(
+                    next_attempt_at=now + timedelta(seconds=wait), sent_at=None, resends=0,
+                    deferrals=col(WebhookDelivery.deferrals) + 1)
+            )
+            return Deferred(in_s=wait, in_flight=in_flight, waiting=waiting) if _rowcount(put_off) == 1 else None
     stmt = (
         sa.update(WebhookDelivery)
-        .where(
-            col(WebhookDelivery.id) == delivery_id,
-            col(WebhookDelivery.status) == DeliveryStatus.PENDING,
-            col(WebhookDelivery.next_attempt_at) <= now + timedelta(seconds=CLAIM_EARLY_S),
-            sa.or_(col(WebhookDelivery.lease_expires_at).is_(None), col(WebhookDelivery.lease_expires_at) < now),
-        )
+        .where(*claimable)
         .values(lease_expires_at=now + timedelta(seconds=lease_s), attempts=col(WebhookDelivery.attempts) + 1)
     )
     if _rowcount(session.execute(stmt)) != 1:

@@ -6,12 +6,17 @@ attempt); each is signed with a fresh ``webhook-timestamp``. A 2xx delivers; a 4
 the tenant (this delivery and every later one to it are recorded, not sent); anything else is retried
 after ``webhook_backoff_s[n-1]`` — or the receiver's ``Retry-After`` when that is longer — until the
 schedule is spent. Nothing here runs on a step worker: the task lives on the ``webhooks`` queue.
+
+A tenant has at most ``webhook_tenant_max_in_flight`` attempts in flight: a due attempt past that is put
+off (``store.webhooks.Deferred``) without counting as an attempt, so that one tenant's silent receivers
+hold a few worker slots, not every one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import ssl
 import time
 from collections.abc import Callable, Iterable
@@ -65,9 +70,21 @@ UNSEALABLE = ("not sent: the worker could not open the tenant's signing secret (
 def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outcome:
     """Makes the attempt that is due now; a duplicate message (none due, or one in flight) does nothing."""
     with session_scope() as s:
-        row = store.claim_delivery(s, delivery_id=delivery_id, lease_s=settings.webhook_timeout_s + LEASE_MARGIN_S)
+        row = store.claim_delivery(
+            s, delivery_id=delivery_id, lease_s=settings.webhook_timeout_s + LEASE_MARGIN_S,
+            tenant_max_in_flight=settings.webhook_tenant_max_in_flight, attempt_s=settings.webhook_timeout_s,
+            jitter=random.uniform(0.5, 1.5),
+        )
         if row is None:
             return Outcome()
+        if isinstance(row, store.Deferred):
+            log.info("webhook %s put off %.1f s: its tenant has %d attempts in flight (its cap, "
+                     "CONDUCTOR_WEBHOOK_TENANT_MAX_IN_FLIGHT) and %d due", delivery_id, row.in_s, row.in_flight,
+                     row.waiting)
+            return Outcome(retry_in=row.in_s)
+    # The claim is committed on its own: its tenant's lock (held by a claim until it commits) is not held
+    # while the body is rendered, so one tenant's claims wait for each other only as long as a claim takes.
+    with session_scope() as s:
         disabled = store.endpoint_disabled(s, tenant=row.tenant, url=row.url)
         if disabled is not None:
             store.record_attempt(

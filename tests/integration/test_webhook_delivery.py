@@ -6,7 +6,10 @@ check after DNS resolution — cases the process-level tests cannot stage on dem
 from __future__ import annotations
 
 import socket
+import time
+import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +24,7 @@ from conductor.submission import JobCreate, create_job
 from conductor.tasks.webhooks import job_payload
 from conductor.webhooks.deliver import deliver
 from conductor.webhooks.signing import new_secret
-from tests.integration.webhook_receiver import Receiver, serve_receiver
+from tests.integration.webhook_receiver import Receiver, serve_receiver, silent_receiver
 
 ONE_STEP = {"model_ids": ["a"], "subtasks": ["s"], "access_lists": [[]]}
 
@@ -37,11 +40,11 @@ def settings() -> Settings:
     return get_settings().model_copy(update={"webhook_allow_loopback": True, "webhook_backoff_s": [0.0, 0.0]})
 
 
-def ended_job_delivery(settings: Settings, url: str) -> str:
+def ended_job_delivery(settings: Settings, url: str, *, tenant: str = "hooks-engine") -> str:
     """A job run to its end by the engine itself; returns the delivery its end wrote."""
     with session_scope() as s:
         body = JobCreate.model_validate({"task": "hook", "workflow": ONE_STEP, "webhook_url": url})
-        job, _ = create_job(s, body, tenant="hooks-engine", settings=settings)
+        job, _ = create_job(s, body, tenant=tenant, settings=settings)
         job_id = job.id
     plan_job(job_id, settings=settings)
     ended: Dispatch = run_step(job_id, 0, worker="test", task_id=None, settings=settings)  # finalizes inline
@@ -315,3 +318,49 @@ def test_sealing_secrets_plaintext_then_sealed_then_rotated_and_a_worker_without
         get_settings.cache_clear()
         with session_scope() as s:  # the tenant's secret as other tests expect it: plaintext
             store.set_webhook_secret(s, tenant="hooks-engine", secret=new_secret())
+
+
+def test_a_tenant_at_its_cap_of_attempts_in_flight_is_put_off_and_another_tenant_is_not(
+    settings: Settings, receiver: Receiver
+) -> None:
+    capped = settings.model_copy(update={"webhook_tenant_max_in_flight": 2, "webhook_timeout_s": 10.0,
+                                         "webhook_backoff_s": []})
+    greedy = f"hooks-greedy-{uuid.uuid4().hex[:8]}"
+    with silent_receiver() as silent:
+        held_ids = [ended_job_delivery(capped, silent.url, tenant=greedy) for _ in range(2)]
+        third = ended_job_delivery(capped, silent.url, tenant=greedy)
+        other = ended_job_delivery(capped, receiver.on("/other-tenant", 200), tenant="hooks-other")
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(deliver, d, settings=capped, render=job_payload) for d in held_ids]
+            silent.wait_for_connections(2)  # both attempts are in flight, each holding a worker slot
+
+            due_before = row(third)[0].next_attempt_at
+            put_off = deliver(third, settings=capped, render=job_payload)
+            delivery, attempts = row(third)
+            # before: a third slot held by the same silent receiver for its whole timeout
+            assert len(silent.held) == 2 and attempts == []
+            assert delivery.attempts == 0 and delivery.deferrals == 1 and delivery.sent_at is None
+            assert put_off.retry_in is not None and 0.5 <= put_off.retry_in <= 1.5  # the first wait: 1 s ± 50 %
+            assert delivery.next_attempt_at > due_before
+
+            assert deliver(other, settings=capped, render=job_payload).retry_in is None
+            delivered, other_attempts = row(other)
+            assert delivered.status == DeliveryStatus.DELIVERED and delivered.deferrals == 0
+            assert [a.status_code for a in other_attempts] == [200]
+            for delivery_id in held_ids:  # still in flight when the other tenant's webhook was delivered
+                leased, none_yet = row(delivery_id)
+                assert leased.lease_expires_at is not None and none_yet == []
+        assert [f.result().retry_in for f in held] == [None, None]  # timed out; no retry scheduled (none left)
+    for delivery_id in held_ids:
+        failed, attempts = row(delivery_id)
+        assert failed.status == DeliveryStatus.FAILED and [a.n for a in attempts] == [1]
+        assert attempts[0].finished_at is not None and other_attempts[0].finished_at is not None
+        assert other_attempts[0].finished_at < attempts[0].finished_at
+    # the cap freed, the delivery put off makes its attempt when due: the first one it counts
+    due_at = row(third)[0].next_attempt_at
+    time.sleep(max(0.0, (due_at - utcnow()).total_seconds()))
+    assert deliver(third, settings=capped, render=job_payload).retry_in is None
+    ended, attempts = row(third)
+    assert [a.n for a in attempts] == [1] and ended.attempts == 1 and ended.deferrals == 1
+    assert ended.status == DeliveryStatus.FAILED  # the silent receiver is gone: connection refused
+    assert "ConnectError" in (attempts[0].error or "")

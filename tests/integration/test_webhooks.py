@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -21,7 +22,7 @@ from conductor.settings import get_settings
 from conductor.store.db import get_engine
 from tests.integration.conftest import new_key
 from tests.integration.harness import Proc, start_api, start_worker, wait_terminal
-from tests.integration.webhook_receiver import Received, Receiver, serve_receiver
+from tests.integration.webhook_receiver import Received, Receiver, serve_receiver, silent_receiver
 
 pytestmark = pytest.mark.integration
 
@@ -41,10 +42,12 @@ SECRETS_KEY = Fernet.generate_key().decode()
 
 @pytest.fixture(scope="module")
 def hook_env(proc_env: dict[str, str]) -> dict[str, str]:
-    """The receiver is on loopback, so loopback is allowed; retries come after 0.5 s instead of minutes.
+    """The receiver is on loopback, so loopback is allowed; retries come after 0.5 s instead of minutes; a
+    tenant has at most 2 attempts in flight (the webhooks worker has 4 slots).
     Secrets are sealed at rest here (``CONDUCTOR_SECRETS_KEY``); the other webhook tests store them as given."""
     return {**proc_env, "CONDUCTOR_WEBHOOK_ALLOW_LOOPBACK": "true", "CONDUCTOR_WEBHOOK_BACKOFF_S": "[0.5, 0.5, 0.5]",
             "CONDUCTOR_WEBHOOK_TIMEOUT_S": "5", "CONDUCTOR_RECONCILE_STALE_S": "0",
+            "CONDUCTOR_WEBHOOK_TENANT_MAX_IN_FLIGHT": "2",
             "CONDUCTOR_SECRETS_KEY": SECRETS_KEY, "CONDUCTOR_WEBHOOK_DENIED_TARGETS": DENIED,
             "CONDUCTOR_ALLOWED_HOSTS": "127.0.0.1,localhost,api.example.com"}
 
@@ -157,6 +160,43 @@ def test_signed_webhook_is_retried_after_a_500_with_the_same_webhook_id(
     assert delivery["attempts"][0]["error"] == "HTTP 500" and delivery["attempts"][1]["error"] is None
     assert all(a["latency_ms"] is not None for a in delivery["attempts"])
     assert len(receiver.at("/retry")) == 2  # nothing after the 2xx
+
+
+def test_a_tenant_whose_receiver_never_answers_holds_two_slots_and_another_tenant_is_delivered_meanwhile(
+    tenant: Tenant, receiver: Receiver, hook_api: str, hook_env: dict[str, str]
+) -> None:
+    """Five jobs of one tenant end with a webhook to a receiver that accepts and never answers, on a webhooks
+    worker of four slots: two attempts go out (its cap), the other three are put off, and another tenant's
+    webhook goes out at once instead of waiting behind them."""
+    other_name = f"{tenant.name}-other"
+    shown = cli("webhooks", "secret", "--tenant", other_name, env=hook_env)
+    assert shown.returncode == 0, shown.stderr
+    other_secret = shown.stdout.strip().splitlines()[-1]
+    other = httpx.Client(base_url=hook_api, headers={"Authorization": f"Bearer {new_key(other_name)}"}, timeout=30)
+    with other, silent_receiver() as silent:
+        greedy = [submit(tenant.client, workflow=TWO_STEPS, webhook_url=silent.url) for _ in range(5)]
+        silent.wait_for_connections(2)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # every one of the five has been taken up: sent, or put off
+            rows = [d for job_id in greedy for d in tenant.client.get(f"/v1/jobs/{job_id}/deliveries").json()["data"]]
+            if sum(d["deferrals"] for d in rows) >= 3:
+                break
+            time.sleep(0.1)
+        fair_job = submit(other, workflow=TWO_STEPS, webhook_url=receiver.on("/fair", 200))
+        [got] = receiver.wait_for("/fair", 1)
+        assert verified(other_secret, got)["data"]["id"] == fair_job
+        assert len(silent.held) == 2  # before: four (every slot), and the other tenant's webhook waited 5 s
+        [fair] = settled_deliveries(other, fair_job)
+    assert fair["status"] == "delivered" and fair["deferrals"] == 0
+    delivered_at = datetime.fromisoformat(fair["attempts"][0]["finished_at"])
+    # the silent receiver gone, each of the five makes its own attempts (refused) and fails: none is lost,
+    # and being put off counted as no attempt
+    ended = [d for job_id in greedy for d in settled_deliveries(tenant.client, job_id)]
+    assert [d["status"] for d in ended] == ["failed"] * 5
+    assert all([a["n"] for a in d["attempts"]] == [1, 2, 3, 4] for d in ended), ended
+    assert sum(d["deferrals"] for d in ended) >= 3
+    first_ends = sorted(datetime.fromisoformat(d["attempts"][0]["finished_at"]) for d in ended)
+    assert delivered_at < first_ends[0]  # delivered while the first two attempts were still in flight
 
 
 def test_410_disables_the_url_for_the_tenant(tenant: Tenant, receiver: Receiver, hook_env: dict[str, str]) -> None:

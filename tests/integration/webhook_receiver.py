@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -86,3 +87,46 @@ def serve_receiver() -> Iterator[Receiver]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@dataclass
+class Silent:
+    """A receiver that accepts connections and never answers (a blackholed endpoint)."""
+
+    url: str
+    held: list[socket.socket] = field(default_factory=list)
+
+    def wait_for_connections(self, count: int, timeout: float = 30) -> None:
+        """Polls until ``count`` connections were accepted; the timeout only keeps a broken run from hanging."""
+        deadline = time.monotonic() + timeout
+        while len(self.held) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(self.held)} of {count} connections reached the silent receiver")
+            time.sleep(0.02)
+
+
+@contextmanager
+def silent_receiver() -> Iterator[Silent]:
+    """Listens on loopback, accepts and holds every connection, answers nothing; once closed, connecting
+    is refused."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    silent = Silent(f"http://127.0.0.1:{listener.getsockname()[1]}/silent")
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed
+                return
+            silent.held.append(conn)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield silent
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone leaves it listening)
+        listener.close()
+        thread.join(timeout=5)
+        for conn in silent.held:
+            conn.close()

@@ -28,6 +28,7 @@ def job_deliveries(job_id: str, session: SessionDep, tenant: TenantDep) -> Deliv
             next_attempt_at=r.next_attempt_at if r.status == DeliveryStatus.PENDING else None,
             created_at=r.created_at,
             finished_at=r.finished_at,
+            deferrals=r.deferrals,
             attempts=[
                 DeliveryAttempt(n=a.n, started_at=a.started_at, finished_at=a.finished_at,
                                 status_code=a.status_code, latency_ms=a.latency_ms, error=a.error)
