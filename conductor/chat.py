@@ -69,7 +69,21 @@ def planner_for_model(model: str) -> str:
 
 
 def chat_job(request: ChatCompletionRequest, settings: Settings) -> ChatJob:
-    """The job a chat request asks for; refuses conversations that do not end with a user turn."""
+    """The job a chat request asks for; refuses conversations that do not end with a user turn, and
+    ``store: false`` and log probabilities, which cannot be honoured."""
+    if request.store is False:
+        raise ChatRequestError(
+            "store=false cannot be honoured: every chat completion is a job, stored with its steps for audit "
+            "and read back with GET /v1/jobs/{id}; omit store or set it to true",
+            param="store", code="unsupported_parameter",
+        )
+    for name, asked in (("logprobs", request.logprobs), ("top_logprobs", request.top_logprobs)):
+        if asked:
+            raise ChatRequestError(
+                f"{name} cannot be given: the answer is written by a workflow of models, some of which give "
+                "no log probabilities; omit it (or send false / 0)",
+                param=name, code="unsupported_parameter",
+            )
     turns = [(m.role, m.text()) for m in request.messages]
     cap = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     return conversation_job(request.model, turns, request.metadata, settings, param="messages",

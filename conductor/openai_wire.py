@@ -91,6 +91,21 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, strict=True)
     seed: int | None = Field(default=None, strict=True)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    # Also accepted and not used, as ``/v1/responses`` accepts them (agent frameworks send them as set in
+    # their model settings): each step runs with its agent's own settings.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    parallel_tool_calls: bool | None = Field(default=None, strict=True)
+    safety_identifier: str | None = Field(default=None, max_length=512)
+    prompt_cache_key: str | None = Field(default=None, max_length=512)
+    tools: Annotated[list[Any], Field(max_length=0)] | None = Field(default=None, description="Only `[]`.")
+    tool_choice: Literal["none", "auto"] | None = None
+    # Accepted only where they ask for nothing this API cannot give (``chat.chat_job`` says why otherwise).
+    store: bool | None = Field(default=None, strict=True,
+                               description="Must not be false: every completion is a stored job.")
+    logprobs: bool | None = Field(default=None, strict=True, description="Must not be true.")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True, description="Only 0.")
 
     @field_validator("model", "messages", "metadata", "user", "stop")
     @classmethod

@@ -154,6 +154,33 @@ def test_models_list(oai: openai.OpenAI) -> None:
         oai.models.retrieve("gpt-5")
 
 
+def test_settings_agent_frameworks_send_are_accepted_and_what_cannot_be_honoured_is_refused(
+    oai: openai.OpenAI,
+) -> None:
+    user: Any = [{"role": "user", "content": "settings"}]
+    # before: each was a 400 ("Extra inputs are not permitted"), as openai-agents sends them from its settings
+    done = oai.chat.completions.create(
+        model="conductor", messages=user, store=True, service_tier="auto", reasoning_effort="low",
+        verbosity="medium", parallel_tool_calls=False, safety_identifier="user-7", prompt_cache_key="k",
+        tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
+    )
+    assert done.choices[0].message.content == SIM_ANSWER
+    refused: dict[str, dict[str, Any]] = {
+        "store": {"store": False},
+        "logprobs": {"logprobs": True},
+        "top_logprobs": {"top_logprobs": 2},
+    }
+    for param, extra in refused.items():
+        with pytest.raises(openai.BadRequestError) as no:
+            oai.chat.completions.create(model="conductor", messages=user, **extra)
+        assert no.value.param == param and no.value.code == "unsupported_parameter", (param, no.value.body)
+        assert "omit it" in no.value.message or "omit store" in no.value.message
+    tool: Any = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as tools:
+        oai.chat.completions.create(model="conductor", messages=user, tools=[tool])
+    assert "tools" in (tools.value.param or "") + tools.value.message
+
+
 def test_errors_have_the_openai_shape(oai: openai.OpenAI, api: str, http: httpx.Client) -> None:
     with pytest.raises(openai.NotFoundError) as unknown:
         oai.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])

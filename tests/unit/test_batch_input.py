@@ -100,7 +100,8 @@ def test_a_chat_request_is_answered_before_the_openai_sdk_gives_up_and_retries()
         ({"method": "POST", "url": "/v1/jobs", "body": GOOD_CHAT}, "invalid_url"),
         ({"method": "POST", "url": "/v1/chat/completions", "body": "hi"}, "invalid_body"),
         ({"method": "POST", "url": "/v1/chat/completions", "body": {**GOOD_CHAT, "stream": True}}, "invalid_body"),
-        ({"method": "POST", "url": "/v1/chat/completions", "body": {**GOOD_CHAT, "tools": []}}, "invalid_body"),
+        ({"method": "POST", "url": "/v1/chat/completions", "body": {**GOOD_CHAT, "tools": [{"type": "function"}]}},
+         "invalid_body"),
         ({"method": "POST", "url": "/v1/chat/completions", "body": {**GOOD_CHAT, "model": "gpt-5"}},
          "model_not_found"),
         ({"method": "POST", "url": "/v1/chat/completions", "body": {"model": "conductor", "messages": [
