@@ -306,6 +306,34 @@ def ending_at(job_id: str, settings: Settings) -> int | None:
     return None if recorded is None else int(recorded)
 
 
+SENT_UP_TO_KEY = "conductor:response-sent-up-to:"
+
+
+def note_sent_up_to(job_id: str, sequence: int, settings: Settings) -> None:
+    """Records that a stream of response ``job_id`` is about to send events numbered up to ``sequence``
+    (kept when a higher number is recorded; for ``ENDING_AT_TTL_S``). A stream of it read afresh numbers its
+    events after it (``sent_up_to``): the SDK resumes a dropped stream that way, dropping on the client
+    every event numbered up to the last it saw. Nothing without Redis, or with Redis away (logged)."""
+    if not _uses_redis(settings):
+        return
+    try:
+        stream_slots(settings.broker_url).note_ending(keys=[SENT_UP_TO_KEY + job_id], args=[sequence, ENDING_AT_TTL_S])
+    except redis.RedisError as exc:
+        log.warning("response %s: the numbers its stream sent are not recorded: %s", job_id, exc)
+
+
+def sent_up_to(job_id: str, settings: Settings) -> int | None:
+    """The highest number ``note_sent_up_to`` recorded for response ``job_id``, or None."""
+    if not _uses_redis(settings):
+        return None
+    try:
+        recorded = stream_slots(settings.broker_url).client.get(SENT_UP_TO_KEY + job_id)
+    except redis.RedisError as exc:
+        log.warning("response %s: the numbers its streams sent cannot be read: %s", job_id, exc)
+        return None
+    return None if recorded is None else int(recorded)
+
+
 def open_stream(tenant: str, slot: str, settings: Settings) -> None:
     """Takes one of the tenant's ``tenant_max_streams`` stream slots, or raises QuotaExceeded."""
     if not _uses_redis(settings):

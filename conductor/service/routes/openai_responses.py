@@ -23,7 +23,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session
 
 from conductor.openai_wire import InputItemList, ResponseCreateRequest, ResponseObject
-from conductor.quotas import ending_at, note_ending_at, open_stream
+from conductor.quotas import ending_at, note_ending_at, note_sent_up_to, open_stream, sent_up_to
 from conductor.responses import input_items, response_job, response_object, response_row, response_status
 from conductor.service.deps import JOB_ID_RE, SettingsDep, bearer_key
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
@@ -275,7 +275,13 @@ class ResponseEvents:
     (``quotas.note_ending_at``, in Redis for a week) by the stream that sends it (a stream whose own numbers
     are past a recorded one records its own instead); a later stream of the ended response sends the ending
     with those numbers, leaving out those up to ``after`` (so a client that resumes in or after it never gets
-    the answer twice), and no progress events."""
+    the answer twice), and no progress events.
+
+    Every stream records the highest number it is about to send (``quotas.note_sent_up_to``, before the
+    events go); a stream read afresh numbers ``response.created`` 0 and the rest after that number. The SDK's
+    own resume (``client.responses.stream(response_id=…, starting_after=N)``) reads the stream afresh and
+    drops every event numbered up to N on the client: numbered from 1 again, a condensed replay would have
+    put the answer's first events there."""
 
     def __init__(self, job_id: str, tenant: str, settings: Settings, key: str | None, *, after: int | None = None):
         self.job_id, self.tenant, self.settings, self.key = job_id, tenant, settings, key
@@ -338,19 +344,25 @@ class ResponseEvents:
                     yield event
                 return
             if not self.resumed:
+                sent = await run_in_threadpool(sent_up_to, job_id, settings)
                 yield self.event("response.created", response=_progress(base, job))
+                if sent is not None and sent >= self.sequence:
+                    self.sequence = sent + 1  # after every number a stream of it sent (the SDK's resume)
             while True:
-                changed = False
+                changes: list[dict[str, Any] | None] = []  # None: the job's own change
                 if job.status in (JobStatus.PLANNING, JobStatus.RUNNING) and seen.get("job") != job.status:
                     seen["job"] = job.status
-                    changed = True
-                    yield self.event("response.in_progress", response=_progress(base, job))
+                    changes.append(None)
                 for st in steps:
                     name = f"step:{st['index']}"
                     if seen.get(name) != st["status"]:
                         seen[name] = st["status"]
-                        changed = True
-                        yield self.event("response.in_progress", response=_progress(base, job, st))
+                        changes.append(st)
+                changed = bool(changes)
+                if changed:  # recorded before they go: a client gone after any of them has it counted
+                    await run_in_threadpool(note_sent_up_to, job_id, self.sequence + len(changes) - 1, settings)
+                for change in changes:
+                    yield self.event("response.in_progress", response=_progress(base, job, change))
                 if job.status in JobStatus.TERMINAL or time.monotonic() >= deadline:
                     break
                 if changed:
@@ -365,12 +377,15 @@ class ResponseEvents:
             final = (await poll(lambda: _read(job_id, self.tenant, settings), job_id=job_id)
                      if job.status in JobStatus.TERMINAL else None)
         except KeyRevoked as exc:
+            await self._noting_one()
             yield self.error("invalid_api_key", str(exc))
             return
         except Exception as exc:  # the database stayed away (or a bug): an error naming the response
+            await self._noting_one()
             yield self.error("job_wait_failed", wait_failed_message(job_id, failure_reason(job_id, exc)))
             return
         if final is None:
+            await self._noting_one()
             yield self.error("job_timeout", f"response {job_id} is still running after "
                                             f"{settings.chat_max_wait_s:g}s; it goes on: GET /v1/responses/{job_id} "
                                             f"has it when it ends, and GET /v1/responses/{job_id}?stream=true&"
@@ -381,6 +396,11 @@ class ResponseEvents:
             self.sequence = recorded  # another stream of it sent the ending first, numbered from there
         for event in self._send_ending(final):
             yield event
+
+    async def _noting_one(self) -> None:
+        """Records the number the next event takes (an error ending the stream) before it is sent (Redis
+        away: logged, and the error still goes out)."""
+        await run_in_threadpool(note_sent_up_to, self.job_id, self.sequence, self.settings)
 
     def _ending(self, final: ResponseObject) -> Iterator[str]:
         """The stream's last events, numbered from ``self.sequence``: the answer's (``_answer``), or
