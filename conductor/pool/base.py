@@ -60,12 +60,20 @@ class Completion:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", storable_text(self.text))
+        if len(self.text) > MAX_OUTPUT_CHARS:  # a server that ignored max_tokens: cut, as a cut answer reads
+            object.__setattr__(self, "text", self.text[:MAX_OUTPUT_CHARS])
+            object.__setattr__(self, "finish_reason", "length")
         # as the server named them, into step.model and step.finish_reason (VARCHAR 256, 64): one a server
         # sent that the columns could not hold failed the step's record, and the paid answer was lost
         object.__setattr__(self, "model", storable_text(self.model)[:MAX_MODEL_CHARS])
         object.__setattr__(self, "finish_reason", storable_text(self.finish_reason)[:MAX_FINISH_REASON_CHARS])
 
 
+MAX_OUTPUT_CHARS = 4_000_000
+"""The longest text a completion keeps (16 characters a token at the pool's largest ``max_tokens``, 200,000):
+past it the text is cut and its finish reason is ``length``. Only a server that ignores ``max_tokens``
+sends more; kept whole, it would be stored and copied into every later step's prompt, the answer and its
+files."""
 MAX_MODEL_CHARS = 256
 """The longest model name a completion reports as stored (``step.model``)."""
 MAX_FINISH_REASON_CHARS = 64

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conductor.pool.base import CallOptions, Message, storable_escaped, storable_text
+from conductor.pool.base import MAX_OUTPUT_CHARS, CallOptions, Message, storable_escaped, storable_text
 from conductor.pool.config import AgentConfig, load_pool
 from conductor.pool.errors import (
     AuthError,
@@ -468,3 +468,13 @@ def test_api_key_never_appears_in_an_error(server: FakeOpenAIServer, reply: Repl
     assert SECRET not in str(err)
     assert SECRET not in repr(err)
     assert err.__cause__ is None and err.__suppress_context__
+
+
+def test_text_past_the_output_cap_from_a_server_that_ignored_max_tokens_is_cut_as_length(
+    server: FakeOpenAIServer,
+) -> None:
+    server.script(ok("x" * (MAX_OUTPUT_CHARS + 10), finish_reason="stop"), ok("y" * MAX_OUTPUT_CHARS))
+    cut = make_provider(server).complete(MESSAGES, CallOptions(max_tokens=16))
+    assert len(cut.text) == MAX_OUTPUT_CHARS and cut.finish_reason == "length"
+    whole = make_provider(server).complete(MESSAGES, CallOptions(max_tokens=16))
+    assert len(whole.text) == MAX_OUTPUT_CHARS and whole.finish_reason == "stop"  # at the cap: kept as sent
