@@ -113,10 +113,14 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
         return _settle(row, started, _Answer(None, None, UNSEALABLE), settings)
     clock = time.monotonic()
     try:
-        target = resolve(row.url, allow_loopback=settings.webhook_allow_loopback, denied=denied_of(settings))
+        # the attempt's whole time, the name's lookup included (a resolver that does not answer would
+        # otherwise hold the worker slot, and the tenant's place under its cap, for its own timeouts)
+        target = resolve(row.url, allow_loopback=settings.webhook_allow_loopback, denied=denied_of(settings),
+                         within_s=settings.webhook_timeout_s)
         timestamp = int(time.time())
+        left = max(0.001, settings.webhook_timeout_s - (time.monotonic() - clock))
         answer = _post(row.url, target, signed_headers(secret, row.id, timestamp, body.encode(), also=also),
-                       body.encode(), timeout=settings.webhook_timeout_s)
+                       body.encode(), timeout=left)
     except UnsafeTarget as exc:
         return _settle(row, started, _Answer(None, None, str(exc)), settings, refused=True)
     except Unresolvable as exc:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pydantic import HttpUrl, TypeAdapter
@@ -207,10 +208,11 @@ def check_url(url: str, *, allow_loopback: bool, denied: Denied = NOTHING_DENIED
         raise UnsafeTarget(f"webhook target refused: '{host}' is a local or internal host name")
 
 
-def resolve(url: str, *, allow_loopback: bool, denied: Denied = NOTHING_DENIED) -> Target:
-    """The send-time check: resolves the host and raises :class:`Unresolvable` if it does not resolve or
-    *any* address it resolves to is unsafe or ``denied``; returns the first address, which the request must
-    connect to."""
+def resolve(url: str, *, allow_loopback: bool, denied: Denied = NOTHING_DENIED,
+            within_s: float | None = None) -> Target:
+    """The send-time check: resolves the host and raises :class:`Unresolvable` if it does not resolve (within
+    ``within_s`` seconds, when given) or *any* address it resolves to is unsafe or ``denied``; returns the first
+    address, which the request must connect to."""
     check_url(url, allow_loopback=allow_loopback, denied=denied)
     scheme, host, port = _split(url)
     address = literal_address(host)
@@ -222,8 +224,8 @@ def resolve(url: str, *, allow_loopback: bool, denied: Denied = NOTHING_DENIED) 
     # hook URLs often carry their own tokens in the path or query.
     unreachable = Unresolvable(f"webhook target {host} does not resolve to a public address (not sent)")
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
+        infos = _getaddrinfo(host, port, within_s)
+    except (socket.gaierror, UnicodeError, TimeoutError) as exc:
         log.warning("webhook target %s (port %s) does not resolve: %s", host, port, exc)
         raise unreachable from exc
     addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
@@ -238,3 +240,28 @@ def resolve(url: str, *, allow_loopback: bool, denied: Denied = NOTHING_DENIED) 
             log.warning("webhook target refused: %s (port %s) resolves to %s, %s", host, port, candidate, kind)
             raise unreachable
     return Target(scheme, host, port, addresses[0])
+
+
+def _getaddrinfo(host: str, port: int, within_s: float | None) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo``, given up after ``within_s`` seconds (``TimeoutError``). The system resolver
+    cannot be interrupted and may take its own timeouts over every name server (tens of seconds): the
+    lookup runs on a daemon thread (a greenlet under gevent), left to end on its own."""
+    if within_s is None:
+        return list(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+    done = threading.Event()
+    found: list[Any] = []
+
+    def look_up() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except BaseException as exc:  # handed to the caller, which raises it
+            found.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=look_up, name=f"webhook-dns-{host}", daemon=True).start()
+    if not done.wait(within_s):
+        raise TimeoutError(f"no answer from the resolver within {within_s:g} s")
+    if isinstance(found[0], BaseException):
+        raise found[0]
+    return list(found[0])

@@ -214,6 +214,43 @@ def test_a_name_that_resolves_to_a_private_address_is_not_connected_to(
         store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)
 
 
+def test_a_resolver_that_does_not_answer_cannot_hold_the_attempt_past_its_timeout(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name's lookup is inside the attempt's time: a resolver that never answers (DNS, the faked edge)
+    ends the attempt as a name that does not resolve, retried, while the lookup is still stuck."""
+    import threading
+
+    quick = settings.model_copy(update={"webhook_timeout_s": 1.0})
+    delivery_id = ended_job_delivery(quick, "https://hooks.example.com/stuck-dns")
+    answer = threading.Event()
+    asked: list[str] = []
+
+    def stuck_getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[tuple[Any, ...]]:
+        asked.append(host)
+        answer.wait(60)  # before, the attempt waited here until the watchdog (or the test) let it go
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck_getaddrinfo)
+    watchdog = threading.Timer(20, answer.set)  # a resolver's own timeouts, twenty times the attempt's
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        outcome = deliver(delivery_id, settings=quick, render=job_payload)
+        still_stuck = not answer.is_set()
+    finally:
+        answer.set()
+        watchdog.cancel()
+    monkeypatch.undo()
+    delivery, attempts = row(delivery_id)
+    assert asked == ["hooks.example.com"] and still_stuck  # it ended while the lookup had no answer
+    assert outcome.retry_in is not None and delivery.status == DeliveryStatus.PENDING
+    assert attempts[0].status_code is None
+    assert "hooks.example.com does not resolve to a public address" in (attempts[0].error or "")
+    with session_scope() as s:
+        store.finish_delivery(s, delivery_id=delivery_id, status=DeliveryStatus.FAILED)
+
+
 def test_only_top_level_jobs_with_a_url_owe_a_webhook(settings: Settings) -> None:
     with session_scope() as s:
         job, _ = create_job(s, JobCreate.model_validate({"task": "no hook", "workflow": ONE_STEP}),
