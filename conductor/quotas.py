@@ -245,6 +245,7 @@ class StreamSlots:
         self.client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
         self._take = self.client.register_script(TAKE_STREAM_LUA)
         self.note_ending = self.client.register_script(NOTE_ENDING_LUA)
+        self.keep_highest = self.client.register_script(KEEP_HIGHEST_LUA)
 
     def hold(self, tenant: str, slot: str, *, limit: int) -> int:
         """Extends ``slot`` while it is held (``EXTENDED``), else takes it (``TAKEN``) unless the tenant
@@ -261,12 +262,30 @@ def stream_slots(url: str) -> StreamSlots:
 
 
 ENDING_AT_KEY = "conductor:response-ending-at:"
+SENT_UP_TO_KEY = "conductor:response-sent-up-to:"
 ENDING_AT_TTL_S = 7 * 24 * 3600
 """How long a response's stream remembers the number its ending (the answer's events) was sent at: a resume
 later than this gets the ending again, numbered after ``starting_after``."""
 
 
 NOTE_ENDING_LUA = """
+local own = tonumber(ARGV[1])
+local sent = redis.call('GET', KEYS[2])
+if sent and tonumber(sent) >= own then
+  own = tonumber(sent) + 1
+end
+local recorded = redis.call('GET', KEYS[1])
+if recorded and tonumber(recorded) >= own then
+  return tonumber(recorded)
+end
+redis.call('SET', KEYS[1], own, 'EX', ARGV[2])
+return own
+"""
+"""A stream about to send a response's ending at ``ARGV[1]``: its own number, or past every number a stream
+of the response recorded sending (``KEYS[2]``, ``note_sent_up_to``) when that is higher; it takes the number
+recorded (``KEYS[1]``) when that is not below it (its ending then keeps the recorded numbers, a gap before
+them); else it records it."""
+KEEP_HIGHEST_LUA = """
 local recorded = redis.call('GET', KEYS[1])
 if recorded and tonumber(recorded) >= tonumber(ARGV[1]) then
   return tonumber(recorded)
@@ -274,21 +293,24 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return tonumber(ARGV[1])
 """
-"""A stream about to send a response's ending at ``ARGV[1]``: it takes the number recorded when that is not
-below its own (its ending then keeps the recorded numbers, a gap before them); else it records its own."""
+"""Sets ``KEYS[1]`` to ``ARGV[1]`` unless it holds a number not below it; returns what it holds."""
 
 
 def note_ending_at(job_id: str, sequence: int, settings: Settings) -> int | None:
-    """Where the ending of response ``job_id``'s stream starts, for a stream about to send it at ``sequence``:
-    the number recorded by an earlier stream when it is not below ``sequence`` (the ending keeps the numbers
-    a resume will use), else ``sequence``, recorded in its place. Replaced rather than kept: a stream past
-    the recorded number is most likely the resume of the one that recorded it, whose client has gone. None
-    without Redis, or with Redis away (every stream then numbers its ending as it goes)."""
+    """Where the ending of response ``job_id``'s stream starts, for a stream about to send it at ``sequence``
+    (or after the highest number any stream of it recorded sending, ``note_sent_up_to``, when that is not
+    below ``sequence``: a client that resumes as the SDK does, reading the stream afresh and dropping every
+    number up to the last it saw, still gets the whole ending): the number recorded by an earlier stream when
+    it is not below that (the ending keeps the numbers a resume will use), else that, recorded in its place.
+    Replaced rather than kept: a stream past the recorded number is most likely the resume of the one that
+    recorded it, whose client has gone. None without Redis, or with Redis away (every stream then numbers its
+    ending as it goes)."""
     if not _uses_redis(settings):
         return None
     slots = stream_slots(settings.broker_url)
     try:
-        return int(slots.note_ending(keys=[ENDING_AT_KEY + job_id], args=[sequence, ENDING_AT_TTL_S]))
+        return int(slots.note_ending(keys=[ENDING_AT_KEY + job_id, SENT_UP_TO_KEY + job_id],
+                                     args=[sequence, ENDING_AT_TTL_S]))
     except redis.RedisError as exc:
         log.warning("response %s: where its stream's ending starts is not recorded: %s", job_id, exc)
         return None
@@ -306,32 +328,17 @@ def ending_at(job_id: str, settings: Settings) -> int | None:
     return None if recorded is None else int(recorded)
 
 
-SENT_UP_TO_KEY = "conductor:response-sent-up-to:"
-
-
 def note_sent_up_to(job_id: str, sequence: int, settings: Settings) -> None:
     """Records that a stream of response ``job_id`` is about to send events numbered up to ``sequence``
-    (kept when a higher number is recorded; for ``ENDING_AT_TTL_S``). A stream of it read afresh numbers its
-    events after it (``sent_up_to``): the SDK resumes a dropped stream that way, dropping on the client
-    every event numbered up to the last it saw. Nothing without Redis, or with Redis away (logged)."""
+    (kept when a higher number is recorded; for ``ENDING_AT_TTL_S``), so that the ending of a stream read
+    afresh is numbered after it (``note_ending_at``). Nothing without Redis, or with Redis away (logged)."""
     if not _uses_redis(settings):
         return
     try:
-        stream_slots(settings.broker_url).note_ending(keys=[SENT_UP_TO_KEY + job_id], args=[sequence, ENDING_AT_TTL_S])
+        stream_slots(settings.broker_url).keep_highest(keys=[SENT_UP_TO_KEY + job_id],
+                                                       args=[sequence, ENDING_AT_TTL_S])
     except redis.RedisError as exc:
         log.warning("response %s: the numbers its stream sent are not recorded: %s", job_id, exc)
-
-
-def sent_up_to(job_id: str, settings: Settings) -> int | None:
-    """The highest number ``note_sent_up_to`` recorded for response ``job_id``, or None."""
-    if not _uses_redis(settings):
-        return None
-    try:
-        recorded = stream_slots(settings.broker_url).client.get(SENT_UP_TO_KEY + job_id)
-    except redis.RedisError as exc:
-        log.warning("response %s: the numbers its streams sent cannot be read: %s", job_id, exc)
-        return None
-    return None if recorded is None else int(recorded)
 
 
 def open_stream(tenant: str, slot: str, settings: Settings) -> None:

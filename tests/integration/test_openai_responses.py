@@ -474,30 +474,25 @@ def test_a_dropped_stream_resumes_after_its_last_event(api: str, http: httpx.Cli
 
 def test_the_sdks_own_resume_of_a_dropped_stream_gets_the_whole_answer(api: str, workers: Any) -> None:
     """``client.responses.stream(response_id=…, starting_after=N)`` (the SDK's resume) asks for the stream from
-    the start and drops, on the client, every event numbered up to N: a stream of the response read afresh
-    numbers its events after every number a stream of it has sent, so none of what the client has not seen
-    is dropped."""
+    the start and drops, on the client, every event numbered up to N: the ending is numbered after every
+    number a stream of the response has sent, so none of the answer's events is dropped."""
     key = new_key("responses-sdk-resume")
     with (openai.OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0) as client,
           httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http):
-        stream = client.responses.create(model="conductor/template:pev", input="resume me", stream=True)
-        seen = []
-        for event in stream:
-            seen.append(event)
-            if len(seen) == 10:  # the job's progress, step by step
-                break
-        stream.close()  # the connection drops mid-way
-        response_id = seen[0].response.id  # type: ignore[union-attr]
-        last = seen[-1].sequence_number
-        assert [e.sequence_number for e in seen] == list(range(10))
+        response_id = client.responses.create(model="conductor/slow", input="resume me", background=True).id
+        # a stream of it, resumed once already (numbered past 50), drops after its first event
+        stream = client.responses.retrieve(response_id, stream=True, starting_after=50)
+        first = next(iter(stream))
+        stream.close()
+        last = first.sequence_number
+        assert last == 51 and first.type == "response.in_progress"
         wait_terminal(http, response_id)  # the rest happened while no one watched
         with client.responses.stream(response_id=response_id, starting_after=last) as resumed:
             rest = list(resumed)
             final = resumed.get_final_response()
-        assert rest and all(e.sequence_number > last for e in rest)
-        # before: read afresh, the ended job's few step events and its answer were numbered from 1, so the
-        # answer's first events fell at or below N and the client dropped them (no output_text.delta)
-        assert [e.type for e in rest][-7:] == ENDING, [e.type for e in rest]
+        # before: read afresh, the ended job's step events and then its answer were numbered from 1, all at or
+        # below N: the client dropped every one, and get_final_response() found no response.completed
+        assert [e.type for e in rest] == ENDING and all(e.sequence_number > last for e in rest), rest
         assert final.output_text == http.get(f"/v1/jobs/{response_id}").json()["answer"] != ""
 
 

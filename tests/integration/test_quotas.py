@@ -19,10 +19,12 @@ import sqlalchemy as sa
 from conductor.quotas import (
     ENDING_AT_KEY,
     ENDING_AT_TTL_S,
+    SENT_UP_TO_KEY,
     STREAMS_KEY,
     close_stream,
     ending_at,
     note_ending_at,
+    note_sent_up_to,
     open_stream,
     refresh_stream,
 )
@@ -432,3 +434,20 @@ def test_a_responses_ending_number_is_kept_for_streams_below_it_and_replaced_by_
     assert note_ending_at(job_id, 15, settings) == 15 and ending_at(job_id, settings) == 15
     ttl = redis.Redis.from_url(settings.broker_url).ttl(ENDING_AT_KEY + job_id)
     assert ENDING_AT_TTL_S - 60 < ttl <= ENDING_AT_TTL_S
+
+
+def test_a_responses_ending_is_first_recorded_after_every_number_its_streams_sent() -> None:
+    """``note_sent_up_to`` keeps the highest number any stream of a response is about to send; the ending's
+    first record is past it (a fresh stream numbering from 0 again still puts its ending after what a dropped
+    client saw), and then kept for streams not past it: two streams agree."""
+    settings = get_settings()
+    job_id = uuid.uuid4().hex
+    note_sent_up_to(job_id, 9, settings)
+    note_sent_up_to(job_id, 5, settings)  # another stream, behind: the highest is kept
+    assert redis.Redis.from_url(settings.broker_url).get(SENT_UP_TO_KEY + job_id) == b"9"
+    assert note_ending_at(job_id, 4, settings) == 10  # a fresh stream at 4: after the 9 a client may have seen
+    assert note_ending_at(job_id, 10, settings) == 10  # the stream that sent 9 reaches its end: the same numbers
+    assert note_ending_at(job_id, 7, settings) == 10
+    other = uuid.uuid4().hex
+    note_sent_up_to(other, 3, settings)
+    assert note_ending_at(other, 4, settings) == 4  # one stream, its numbers in a row: no gap

@@ -22,11 +22,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import make_url
 
 from conductor.migrations.migrate import upgrade
-from conductor.quotas import STREAMS_KEY
+from conductor.quotas import SENT_UP_TO_KEY, STREAMS_KEY
 from conductor.service import stream_polls
 from conductor.service.app import create_app
 from conductor.service.routes import jobs as jobs_route
-from conductor.service.routes import openai_chat
+from conductor.service.routes import openai_chat, openai_responses
 from conductor.settings import get_settings
 from conductor.store.db import get_engine, session_scope
 from conductor.store.keys import revoke_key
@@ -125,6 +125,33 @@ def test_a_response_stream_whose_slot_lapsed_ends_rather_than_go_over_the_limit(
     assert "slot lapsed" in ended.message and job_id in ended.message
     assert [e.sequence_number for e in rest] == list(range(1, len(rest) + 1))
     assert not any(e.type.startswith("response.output") for e in rest)  # it ended before the job did
+    assert _open_slots(tenant) == [b"another-stream"]
+    assert wait_terminal(http, job_id)["status"] == "succeeded"
+    # the error's number was recorded as sent: the ending a later stream sends is numbered after it, so the
+    # SDK's resume (a fresh stream, every number up to the error's dropped on the client) gets all of it
+    sent = redis.Redis.from_url(get_settings().broker_url).get(SENT_UP_TO_KEY + job_id)
+    assert sent is not None and int(sent) >= ended.sequence_number
+
+
+def test_a_response_stream_whose_slot_lapsed_at_a_keep_alive_records_its_errors_number(
+    http: TestClient, one_stream_each: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lapse noticed at a keep-alive (nothing numbered to give back) ends the stream with an error numbered
+    next: that number is recorded as sent, so a later stream's ending comes after it (the SDK's resume)."""
+    monkeypatch.setattr(openai_chat, "HEARTBEAT_S", 0.0)  # the slot is refreshed at every item sent
+    monkeypatch.setattr(openai_responses, "HEARTBEAT_S", 0.0)  # a keep-alive whenever a poll finds nothing
+    tenant = "lapsed-response-keep-alive"
+    key = new_key(tenant)
+    http.headers["Authorization"] = f"Bearer {key}"
+    stream = _sdk(http, key).responses.create(model="conductor/slow", input="z", stream=True)
+    job_id = stream.response.headers["conductor-job-id"]
+    events = iter(stream)
+    assert [next(events).type, next(events).type] == ["response.created", "response.in_progress"]  # planning
+    _lapse_and_give_away(tenant)  # while the slow planner runs: the next item sent is a keep-alive
+    [ended] = list(events)
+    assert ended.type == "error" and ended.code == "rate_limit_exceeded" and ended.sequence_number == 2
+    sent = redis.Redis.from_url(get_settings().broker_url).get(SENT_UP_TO_KEY + job_id)
+    assert sent is not None and int(sent) == 2  # before: 1, and a fresh stream's ending could take 2
     assert _open_slots(tenant) == [b"another-stream"]
     assert wait_terminal(http, job_id)["status"] == "succeeded"
 

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from functools import partial
 from typing import Annotated, Any
@@ -272,8 +272,8 @@ def _not_answered(job_id: str, job: Job | None, settings: Settings) -> tuple[int
 
 
 async def held_stream(events: AsyncGenerator[str, None], job_id: str, tenant: str, slot: str,
-                      settings: Settings, lapsed: Callable[[str], list[str]] | None = None
-                      ) -> AsyncGenerator[str, None]:
+                      settings: Settings, lapsed: Callable[[str], list[str]] | None = None,
+                      noting_lapse: Callable[[], Awaitable[None]] | None = None) -> AsyncGenerator[str, None]:
     """The stream, holding its slot: refreshed while it runs (its response, a ``SlotStream``, releases it
     when it ends or the client leaves). A slot that lapsed meanwhile and cannot be taken again (the tenant
     holds its limit of streams) ends the stream with a ``rate_limit_exceeded`` error, as a new stream would
@@ -287,7 +287,10 @@ async def held_stream(events: AsyncGenerator[str, None], job_id: str, tenant: st
                 if not await run_in_threadpool(refresh_stream, tenant, slot, settings):
                     message = (f"{lapsed_stream_message(settings)}; job {job_id} goes on: "
                                f"GET /v1/jobs/{job_id} has its answer when it ends")
-                    for last in (lapsed or _chat_lapsed)(message):
+                    ending = (lapsed or _chat_lapsed)(message)
+                    if noting_lapse is not None:  # (a response's stream records the number its error took)
+                        await noting_lapse()
+                    for last in ending:
                         yield last
                     return
             yield event

@@ -23,7 +23,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session
 
 from conductor.openai_wire import InputItemList, ResponseCreateRequest, ResponseObject
-from conductor.quotas import ending_at, note_ending_at, note_sent_up_to, open_stream, sent_up_to
+from conductor.quotas import ending_at, note_ending_at, note_sent_up_to, open_stream
 from conductor.responses import input_items, response_job, response_object, response_row, response_status
 from conductor.service.deps import JOB_ID_RE, SettingsDep, bearer_key
 from conductor.service.openai_errors import NO_RETRY, OpenAIError, openai_errors
@@ -106,7 +106,8 @@ async def create_response(
         return answer
     job_id, slot = await submit_holding_slot(partial(_submit, body, settings, tenant), tenant, settings)
     events = ResponseEvents(job_id, tenant, settings, key)
-    return SlotStream(held_stream(events.stream(), job_id, tenant, slot, settings, lapsed=events.lapsed),
+    return SlotStream(held_stream(events.stream(), job_id, tenant, slot, settings, lapsed=events.lapsed,
+                                  noting_lapse=events.noting_lapse),
                       tenant=tenant, slot=slot, settings=settings, headers={JOB_HEADER: job_id})
 
 
@@ -143,7 +144,8 @@ async def retrieve_response(
     await run_in_threadpool(open_stream, tenant, slot, settings)
     try:
         events = ResponseEvents(found.id, tenant, settings, key, after=starting_after)
-        return SlotStream(held_stream(events.stream(), found.id, tenant, slot, settings, lapsed=events.lapsed),
+        return SlotStream(held_stream(events.stream(), found.id, tenant, slot, settings, lapsed=events.lapsed,
+                                      noting_lapse=events.noting_lapse),
                           tenant=tenant, slot=slot, settings=settings, headers={JOB_HEADER: found.id})
     except BaseException:  # (the response, once made, gives the slot back however it ends)
         await release_slot(tenant, slot, settings)
@@ -278,10 +280,11 @@ class ResponseEvents:
     the answer twice), and no progress events.
 
     Every stream records the highest number it is about to send (``quotas.note_sent_up_to``, before the
-    events go); a stream read afresh numbers ``response.created`` 0 and the rest after that number. The SDK's
-    own resume (``client.responses.stream(response_id=…, starting_after=N)``) reads the stream afresh and
-    drops every event numbered up to N on the client: numbered from 1 again, a condensed replay would have
-    put the answer's first events there."""
+    events go, a lapse's error too), and an ending first recorded is numbered after it. The SDK's own resume
+    (``client.responses.stream(response_id=…, starting_after=N)``) reads the stream afresh and drops every
+    event numbered up to N on the client: numbered as the fresh stream went (from 1, a condensed replay), the
+    answer's first events fell at or below N. Its progress events may still fall there (dropped by the SDK:
+    each ``response.in_progress`` holds the whole state), never the ending."""
 
     def __init__(self, job_id: str, tenant: str, settings: Settings, key: str | None, *, after: int | None = None):
         self.job_id, self.tenant, self.settings, self.key = job_id, tenant, settings, key
@@ -314,6 +317,11 @@ class ResponseEvents:
             self.sequence -= 1
         return [self.error("rate_limit_exceeded", message)]
 
+    async def noting_lapse(self) -> None:
+        """After ``lapsed``: records the number its error took (none inside the ending, already numbered)."""
+        if not self.unsent:
+            await run_in_threadpool(note_sent_up_to, self.job_id, self.sequence - 1, self.settings)
+
     def _send_ending(self, final: ResponseObject) -> Iterator[str]:
         """``_ending``'s events, each taken off ``unsent`` once ``held_stream`` has passed it on."""
         self.unsent = list(self._ending(final))
@@ -344,10 +352,7 @@ class ResponseEvents:
                     yield event
                 return
             if not self.resumed:
-                sent = await run_in_threadpool(sent_up_to, job_id, settings)
                 yield self.event("response.created", response=_progress(base, job))
-                if sent is not None and sent >= self.sequence:
-                    self.sequence = sent + 1  # after every number a stream of it sent (the SDK's resume)
             while True:
                 changes: list[dict[str, Any] | None] = []  # None: the job's own change
                 if job.status in (JobStatus.PLANNING, JobStatus.RUNNING) and seen.get("job") != job.status:
