@@ -91,9 +91,13 @@ QUEUED_SQL = "status = 'queued'"
 TOP_LEVEL_SQL = "parent_job_id IS NULL"
 """A job of its own, not a recursive step's child: what ``GET /v1/jobs`` lists."""
 NOT_ROLLED_UP_SQL = "metrics_rolled_up_at IS NULL"
-PENDING_DELIVERY_SQL = "status = 'pending'"
 """A job or webhook delivery whose numbers are not yet in ``metrics_rollup`` (``conductor.store.metrics``):
 what a scrape still aggregates row by row, found by a partial index of that predicate."""
+PENDING_DELIVERY_SQL = "status = 'pending'"
+"""A webhook delivery not yet settled: its tenant's attempts in flight and deliveries waiting are counted
+among these (``store.webhooks.claim_delivery``)."""
+PARKED_DELIVERY_SQL = "status = 'pending' AND parked_at IS NOT NULL"
+"""A webhook delivery waiting in its tenant's line (``store.webhooks.wake_next_parked``)."""
 
 
 class Job(SQLModel, table=True):
@@ -418,6 +422,9 @@ class WebhookDelivery(SQLModel, table=True):
         # a claim counts its tenant's attempts in flight and deliveries waiting (store.webhooks.claim_delivery)
         sa.Index("ix_webhook_delivery_pending_tenant", "tenant", "lease_expires_at", "next_attempt_at",
                  postgresql_where=sa.text(PENDING_DELIVERY_SQL), sqlite_where=sa.text(PENDING_DELIVERY_SQL)),
+        # the oldest of a tenant's parked deliveries, woken when one of its attempts ends
+        sa.Index("ix_webhook_delivery_parked", "tenant", "created_at",
+                 postgresql_where=sa.text(PARKED_DELIVERY_SQL), sqlite_where=sa.text(PARKED_DELIVERY_SQL)),
     )
 
     id: str = Field(primary_key=True, max_length=40)
@@ -439,6 +446,10 @@ class WebhookDelivery(SQLModel, table=True):
     deferrals: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     """Times a due attempt was put off, not made, because the tenant already had its most attempts in
     flight (``webhook_tenant_max_in_flight``); not attempts: the backoff schedule does not count them."""
+    parked_at: datetime | None = _ts()
+    """Set while the delivery waits in its tenant's line, put off for the tenant's cap: when one of the
+    tenant's attempts ends, the oldest parked delivery (by ``created_at``) is woken and sent. Cleared by the
+    claim that makes its attempt."""
     created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
     finished_at: datetime | None = _ts()
     metrics_rolled_up_at: datetime | None = _ts()

@@ -246,70 +246,69 @@ def mark_sent(session: Session, *, delivery_ids: Sequence[str], due_at: datetime
 
 CLAIM_EARLY_S = 1.0
 """A message may run this much before its attempt is due (the countdown and the row's clock differ)."""
-DEFER_FIRST_S = 1.0
-"""A delivery put off for its tenant's cap first comes back after about this long; each later deferral of
-it doubles the wait, up to ``Deferred``'s ceiling."""
 
 
 @dataclass(frozen=True)
 class Deferred:
     """A due attempt put off, not made: its tenant already had ``in_flight`` attempts in flight (its cap).
-    It comes back in ``in_s`` seconds; no attempt is counted."""
+    The delivery is parked in the tenant's line, woken when one of those attempts ends
+    (``wake_next_parked``), and at the latest comes back in ``in_s`` seconds; no attempt is counted."""
 
     in_s: float
     in_flight: int
     waiting: int
 
 
-def defer_for(deferrals: int, *, waiting: int, cap: int, attempt_s: float, jitter: float) -> float:
-    """How long a delivery put off for the ``deferrals``-th time before waits: doubling from
-    ``DEFER_FIRST_S`` (a burst to a fast receiver gets through in a few seconds), up to about as long as
-    the tenant's ``waiting`` deliveries take at ``cap`` attempts of ``attempt_s`` (the attempt's timeout,
-    at least two), so that however many a tenant has waiting they come back at about ``cap`` per
-    ``attempt_s``, not all at once. ``jitter`` (0.5 to 1.5) spreads the ones put off together."""
-    ceiling = attempt_s * max(2.0, waiting / cap)
-    return min(DEFER_FIRST_S * 2.0 ** min(deferrals, 30), ceiling) * jitter
+def park_for(*, waiting: int, cap: int, attempt_s: float, jitter: float) -> float:
+    """The longest a parked delivery waits before it comes back by itself (it is normally woken sooner, when
+    one of its tenant's attempts ends): about as long as the tenant's ``waiting`` deliveries take at ``cap``
+    attempts of ``attempt_s`` (the attempt's timeout), at least two of them, so that however many wait they
+    come back at about ``cap`` per ``attempt_s`` at most. ``jitter`` (0.5 to 1.5) spreads them."""
+    return attempt_s * max(2.0, waiting / cap) * jitter
 
 
 def claim_delivery(session: Session, *, delivery_id: str, lease_s: float, tenant_max_in_flight: int | None = None,
                    attempt_s: float = 15.0, jitter: float = 1.0) -> WebhookDelivery | Deferred | None:
     """Takes the next attempt if it is due and none is in flight; returns the row, or None. With
     ``tenant_max_in_flight``: when the tenant already has that many attempts in flight (leases not expired,
-    across every worker: claims of one tenant take its lock in turn), the due attempt is put off instead:
-    its due time moves ``defer_for`` later and no message is noted as sent (the caller sends one for then, or
-    the reconciler does), and ``Deferred`` is returned."""
+    across every worker: claims, and the ends of attempts that wake a parked delivery, take the tenant's
+    lock in turn), the due attempt is put off instead: the delivery is parked in the tenant's line (kept in
+    its place, by age, when it was parked already), its due time moves ``park_for`` later, no message is
+    noted as sent (the caller sends one for then, or the reconciler does), and ``Deferred`` is returned."""
     now = utcnow()
     found = session.execute(
-        sa.select(col(WebhookDelivery.tenant), col(WebhookDelivery.deferrals))
+        sa.select(col(WebhookDelivery.tenant))
         .where(col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.status) == DeliveryStatus.PENDING)
     ).first()
     if found is None:
         return None
-    tenant, deferrals = str(found[0]), int(found[1])
+    tenant = str(found[0])
     early = now + timedelta(seconds=CLAIM_EARLY_S)
     free = sa.or_(col(WebhookDelivery.lease_expires_at).is_(None), col(WebhookDelivery.lease_expires_at) < now)
     claimable = (col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.status) == DeliveryStatus.PENDING,
                  col(WebhookDelivery.next_attempt_at) <= early, free)
     if tenant_max_in_flight is not None:
-        lock_tenant(session, tenant=tenant, scope="webhooks")
+        lock_tenant_deliveries(session, tenant=tenant)
+        waits = sa.or_(col(WebhookDelivery.parked_at).is_not(None), col(WebhookDelivery.next_attempt_at) <= early)
         in_flight, waiting = session.execute(
             sa.select(sa.func.count().filter(col(WebhookDelivery.lease_expires_at) >= now),
-                      sa.func.count().filter(sa.and_(free, col(WebhookDelivery.next_attempt_at) <= early)))
+                      sa.func.count().filter(sa.and_(free, waits)))
             .where(col(WebhookDelivery.tenant) == tenant, col(WebhookDelivery.status) == DeliveryStatus.PENDING)
         ).one()
         if in_flight >= tenant_max_in_flight:
-            wait = defer_for(deferrals, waiting=waiting, cap=tenant_max_in_flight, attempt_s=attempt_s,
-                             jitter=jitter)
+            wait = park_for(waiting=waiting, cap=tenant_max_in_flight, attempt_s=attempt_s, jitter=jitter)
             put_off = session.execute(
                 sa.update(WebhookDelivery).where(*claimable).values(
                     next_attempt_at=now + timedelta(seconds=wait), sent_at=None, resends=0,
-                    deferrals=col(WebhookDelivery.deferrals) + 1)
+                    deferrals=col(WebhookDelivery.deferrals) + 1,
+                    parked_at=sa.func.coalesce(col(WebhookDelivery.parked_at), now))
             )
             return Deferred(in_s=wait, in_flight=in_flight, waiting=waiting) if _rowcount(put_off) == 1 else None
     stmt = (
         sa.update(WebhookDelivery)
         .where(*claimable)
-        .values(lease_expires_at=now + timedelta(seconds=lease_s), attempts=col(WebhookDelivery.attempts) + 1)
+        .values(lease_expires_at=now + timedelta(seconds=lease_s), attempts=col(WebhookDelivery.attempts) + 1,
+                parked_at=None)
     )
     if _rowcount(session.execute(stmt)) != 1:
         return None
@@ -317,6 +316,37 @@ def claim_delivery(session: Session, *, delivery_id: str, lease_s: float, tenant
     if row is not None:
         session.refresh(row)
     return row
+
+
+def lock_tenant_deliveries(session: Session, *, tenant: str) -> None:
+    """The tenant's lock over its places under the cap, until the transaction ends (Postgres)."""
+    lock_tenant(session, tenant=tenant, scope="webhooks")
+
+
+def wake_next_parked(session: Session, *, tenant: str) -> str | None:
+    """Where one of ``tenant``'s attempts has just ended (its place under the cap is free): makes the oldest
+    of the tenant's parked deliveries due now, with no message noted as sent (the caller sends one after the
+    commit, or the reconciler does), and returns its id; None when none waits. Under the tenant's lock
+    (``lock_tenant``, scope ``webhooks``: a claim parking a delivery meanwhile either sees the place free or
+    is seen here). A row another transaction holds is passed over, not waited for (the reconciler locks
+    deliveries in id order, this transaction holds the ended one's)."""
+    now = utcnow()
+    oldest = (
+        sa.select(col(WebhookDelivery.id))
+        .where(col(WebhookDelivery.tenant) == tenant, col(WebhookDelivery.status) == DeliveryStatus.PENDING,
+               col(WebhookDelivery.parked_at).is_not(None), col(WebhookDelivery.next_attempt_at) > now)
+        .order_by(col(WebhookDelivery.created_at))
+        .limit(1)
+    )
+    if session.get_bind().dialect.name == "postgresql":
+        oldest = oldest.with_for_update(skip_locked=True)
+    woken = session.execute(
+        sa.update(WebhookDelivery)
+        .where(col(WebhookDelivery.id) == oldest.scalar_subquery())
+        .values(next_attempt_at=now, sent_at=None, resends=0)
+        .returning(col(WebhookDelivery.id))
+    ).scalar_one_or_none()
+    return None if woken is None else str(woken)
 
 
 def freeze_payload(session: Session, *, delivery_id: str, payload: str) -> None:

@@ -89,6 +89,16 @@ def schedule_webhook_retry(delivery_id: str, delay_s: float) -> None:
         webhook_store.mark_sent(s, delivery_ids=[delivery_id], due_at=utcnow() + timedelta(seconds=delay_s))
 
 
+def send_webhooks(delivery_ids: list[str]) -> None:
+    """Sends the messages of deliveries made due now (a parked one woken); if the broker is away, the
+    reconciler sends them when due (no message is noted as sent)."""
+    try:
+        send(Dispatch(webhooks=delivery_ids))
+    except Exception as exc:  # any broker failure: the rows say they are due, the reconciler sends them
+        log.warning("webhook deliveries %s not yet enqueued (%s); the reconciler will send them", delivery_ids,
+                    type(exc).__name__)
+
+
 def send_webhooks_of(job_id: str) -> None:
     """Sends the webhook a job that just ended (cancelled by the API or CLI) is owed; if the broker is
     down, the reconciler sends it later."""

@@ -12,7 +12,7 @@ from kombu.exceptions import OperationalError as BrokerAway
 from conductor.settings import get_settings
 from conductor.store.models import Job, Step
 from conductor.tasks.app import DELIVER_WEBHOOK_TASK, app
-from conductor.tasks.send import schedule_webhook_retry
+from conductor.tasks.send import schedule_webhook_retry, send_webhooks
 from conductor.webhooks.deliver import deliver
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,8 @@ def job_payload(job: Job, steps: list[Step]) -> dict[str, Any]:
 @app.task(name=DELIVER_WEBHOOK_TASK, bind=True)
 def deliver_webhook(self: Task, delivery_id: str) -> None:
     outcome = deliver(delivery_id, settings=get_settings(), render=job_payload)
+    if outcome.wake is not None:
+        send_webhooks([outcome.wake])
     if outcome.retry_in is not None:
         try:
             schedule_webhook_retry(delivery_id, outcome.retry_in)

@@ -8,8 +8,9 @@ after ``webhook_backoff_s[n-1]`` — or the receiver's ``Retry-After`` when that
 schedule is spent. Nothing here runs on a step worker: the task lives on the ``webhooks`` queue.
 
 A tenant has at most ``webhook_tenant_max_in_flight`` attempts in flight: a due attempt past that is put
-off (``store.webhooks.Deferred``) without counting as an attempt, so that one tenant's silent receivers
-hold a few worker slots, not every one.
+off (``store.webhooks.Deferred``) without counting as an attempt and parked in the tenant's line, so that
+one tenant's silent receivers hold a few worker slots, not every one; each attempt's end wakes the oldest
+parked delivery of its tenant (``Outcome.wake``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ RenderJob = Callable[[Job, list[Step]], dict[str, Any]]
 class Outcome:
     retry_in: float | None = None
     """Seconds until the next attempt is due; None when the delivery is settled (or was not ours)."""
+    wake: str | None = None
+    """A parked delivery of the same tenant made due now (this attempt's place under the cap is free): the
+    caller sends its message (if it cannot, the reconciler does)."""
 
 
 @dataclass(frozen=True)
@@ -78,36 +82,23 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
         if row is None:
             return Outcome()
         if isinstance(row, store.Deferred):
-            log.info("webhook %s put off %.1f s: its tenant has %d attempts in flight (its cap, "
-                     "CONDUCTOR_WEBHOOK_TENANT_MAX_IN_FLIGHT) and %d due", delivery_id, row.in_s, row.in_flight,
-                     row.waiting)
+            log.info("webhook %s parked (back in %.1f s at the latest): its tenant has %d attempts in flight "
+                     "(its cap, CONDUCTOR_WEBHOOK_TENANT_MAX_IN_FLIGHT) and %d waiting", delivery_id, row.in_s,
+                     row.in_flight, row.waiting)
             return Outcome(retry_in=row.in_s)
     # The claim is committed on its own: its tenant's lock (held by a claim until it commits) is not held
     # while the body is rendered, so one tenant's claims wait for each other only as long as a claim takes.
-    with session_scope() as s:
-        disabled = store.endpoint_disabled(s, tenant=row.tenant, url=row.url)
-        if disabled is not None:
-            store.record_attempt(
-                s, delivery_id=row.id, n=row.attempts, started_at=utcnow(), status_code=None, latency_ms=None,
-                error=f"not sent: this URL answered 410 Gone at {disabled.disabled_at} and is disabled "
-                      "for the tenant ('conductor webhooks enable' re-enables it)",
-            )
-            store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.DISABLED)
-            return Outcome()
-        body = row.payload or _freeze_payload(s, row, render)
-        try:
-            secret: str | None = store.ensure_webhook_secret(s, tenant=row.tenant, new=new_secret())
-        except SealError as exc:  # this worker lacks the key: an attempt on record, retried with backoff
-            log.error("webhook %s (tenant %s): %s", row.id, row.tenant, exc)
-            secret = None
-        also: list[str] = []
-        if secret is not None:
-            try:  # the secret a rotation replaced signs too while it lasts, so receivers can switch
-                previous = store.previous_webhook_secret(s, tenant=row.tenant)
-            except SealError as exc:  # the current one signs: a receiver already switched accepts it
-                log.error("webhook %s (tenant %s): the previous secret cannot be opened: %s", row.id, row.tenant, exc)
-                previous = None
-            also = [previous] if previous is not None else []
+    # What fails after it is settled as an attempt that failed inside the service (recorded, retried on the
+    # schedule, its place freed), not left holding the claim until its lease ends.
+    try:
+        prepared = _prepare(row, render)
+    except Exception as exc:
+        log.exception("webhook %s (tenant %s): the attempt failed inside the worker before sending", row.id,
+                      row.tenant)
+        return _settle(row, utcnow(), _Answer(None, None, _inside(exc)), settings)
+    if isinstance(prepared, Outcome):
+        return prepared
+    body, secret, also = prepared
     started = utcnow()
     if secret is None:
         return _settle(row, started, _Answer(None, None, UNSEALABLE), settings)
@@ -128,10 +119,45 @@ def deliver(delivery_id: str, *, settings: Settings, render: RenderJob) -> Outco
     except Exception as exc:  # a fault of ours or a library's: the attempt is still settled, so its schedule
         # ends; unsettled, the reconciler would re-send it after every lease, for ever
         log.exception("webhook %s (tenant %s): the attempt failed inside the worker", row.id, row.tenant)
-        answer = _Answer(None, None, f"the attempt failed inside the service ({type(exc).__name__}); "
-                                     "it is retried on the schedule")
+        answer = _Answer(None, None, _inside(exc))
     latency_ms = int((time.monotonic() - clock) * 1000)
     return _settle(row, started, answer, settings, latency_ms=latency_ms)
+
+
+def _inside(exc: Exception) -> str:
+    return f"the attempt failed inside the service ({type(exc).__name__}); it is retried on the schedule"
+
+
+def _prepare(row: WebhookDelivery, render: RenderJob) -> tuple[str, str | None, list[str]] | Outcome:
+    """What the claimed attempt sends: its body (frozen at the first attempt), the signing secret (None when
+    this worker cannot open it) and the previous one while it still signs; or the attempt's end when its URL
+    is disabled (recorded, not sent)."""
+    with session_scope() as s:
+        disabled = store.endpoint_disabled(s, tenant=row.tenant, url=row.url)
+        if disabled is not None:
+            store.lock_tenant_deliveries(s, tenant=row.tenant)
+            store.record_attempt(
+                s, delivery_id=row.id, n=row.attempts, started_at=utcnow(), status_code=None, latency_ms=None,
+                error=f"not sent: this URL answered 410 Gone at {disabled.disabled_at} and is disabled "
+                      "for the tenant ('conductor webhooks enable' re-enables it)",
+            )
+            store.finish_delivery(s, delivery_id=row.id, status=DeliveryStatus.DISABLED)
+            return Outcome(wake=store.wake_next_parked(s, tenant=row.tenant))
+        body = row.payload or _freeze_payload(s, row, render)
+        try:
+            secret: str | None = store.ensure_webhook_secret(s, tenant=row.tenant, new=new_secret())
+        except SealError as exc:  # this worker lacks the key: an attempt on record, retried with backoff
+            log.error("webhook %s (tenant %s): %s", row.id, row.tenant, exc)
+            secret = None
+        also: list[str] = []
+        if secret is not None:
+            try:  # the secret a rotation replaced signs too while it lasts, so receivers can switch
+                previous = store.previous_webhook_secret(s, tenant=row.tenant)
+            except SealError as exc:  # the current one signs: a receiver already switched accepts it
+                log.error("webhook %s (tenant %s): the previous secret cannot be opened: %s", row.id, row.tenant, exc)
+                previous = None
+            also = [previous] if previous is not None else []
+    return body, secret, also
 
 
 def event_body(event_type: str, data: dict[str, Any], timestamp: datetime | None) -> str:
@@ -269,6 +295,7 @@ def _settle(
     n = row.attempts
     retry_in: float | None = None
     with session_scope() as s:
+        store.lock_tenant_deliveries(s, tenant=row.tenant)  # (first: the tenant's lock, then the rows)
         store.record_attempt(s, delivery_id=row.id, n=n, started_at=started, status_code=answer.status_code,
                              latency_ms=latency_ms, error=answer.error)
         # An attempt that outlived its lease may have been claimed again meanwhile: a 2xx still ends the
@@ -286,6 +313,7 @@ def _settle(
             if answer.retry_after is not None:
                 retry_in = max(retry_in, min(answer.retry_after, settings.webhook_retry_after_max_s))
             store.schedule_retry(s, delivery_id=row.id, at=utcnow() + timedelta(seconds=retry_in), attempt=n)
+        wake = store.wake_next_parked(s, tenant=row.tenant)  # this attempt's place under the cap is free
     log.info("webhook %s (job %s) attempt %s: %s", row.id, row.job_id, n,
              answer.error or f"HTTP {answer.status_code}")
-    return Outcome(retry_in=retry_in)
+    return Outcome(retry_in=retry_in, wake=wake)

@@ -6,7 +6,6 @@ check after DNS resolution — cases the process-level tests cannot stage on dem
 from __future__ import annotations
 
 import socket
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -360,25 +359,31 @@ def test_sealing_secrets_plaintext_then_sealed_then_rotated_and_a_worker_without
 def test_a_tenant_at_its_cap_of_attempts_in_flight_is_put_off_and_another_tenant_is_not(
     settings: Settings, receiver: Receiver
 ) -> None:
+    """Cap 2: two attempts held by a receiver that never answers; the tenant's next two deliveries are parked
+    (no attempt, no connection), another tenant's is delivered meanwhile, and as each held attempt ends it
+    wakes the oldest parked delivery, which then makes its first attempt."""
     capped = settings.model_copy(update={"webhook_tenant_max_in_flight": 2, "webhook_timeout_s": 10.0,
                                          "webhook_backoff_s": []})
     greedy = f"hooks-greedy-{uuid.uuid4().hex[:8]}"
     with silent_receiver() as silent:
         held_ids = [ended_job_delivery(capped, silent.url, tenant=greedy) for _ in range(2)]
-        third = ended_job_delivery(capped, silent.url, tenant=greedy)
+        older, newer = (ended_job_delivery(capped, silent.url, tenant=greedy) for _ in range(2))
         other = ended_job_delivery(capped, receiver.on("/other-tenant", 200), tenant="hooks-other")
         with ThreadPoolExecutor(2) as pool:
             held = [pool.submit(deliver, d, settings=capped, render=job_payload) for d in held_ids]
             silent.wait_for_connections(2)  # both attempts are in flight, each holding a worker slot
 
-            due_before = row(third)[0].next_attempt_at
-            put_off = deliver(third, settings=capped, render=job_payload)
-            delivery, attempts = row(third)
-            # before: a third slot held by the same silent receiver for its whole timeout
-            assert len(silent.held) == 2 and attempts == []
-            assert delivery.attempts == 0 and delivery.deferrals == 1 and delivery.sent_at is None
-            assert put_off.retry_in is not None and 0.5 <= put_off.retry_in <= 1.5  # the first wait: 1 s ± 50 %
-            assert delivery.next_attempt_at > due_before
+            for parked_id in (newer, older):  # (the newer one's message first: the line goes by age)
+                due_before = row(parked_id)[0].next_attempt_at
+                put_off = deliver(parked_id, settings=capped, render=job_payload)
+                delivery, attempts = row(parked_id)
+                assert attempts == [] and delivery.attempts == 0 and delivery.deferrals == 1
+                assert delivery.parked_at is not None and delivery.sent_at is None
+                assert delivery.next_attempt_at > due_before and put_off.wake is None
+                # back by itself at the latest after two attempts' time (few wait), +-50 %
+                assert put_off.retry_in is not None and 10.0 <= put_off.retry_in <= 30.0
+            # before: a third and a fourth slot held by the same silent receiver for its whole timeout
+            assert len(silent.held) == 2
 
             assert deliver(other, settings=capped, render=job_payload).retry_in is None
             delivered, other_attempts = row(other)
@@ -387,17 +392,42 @@ def test_a_tenant_at_its_cap_of_attempts_in_flight_is_put_off_and_another_tenant
             for delivery_id in held_ids:  # still in flight when the other tenant's webhook was delivered
                 leased, none_yet = row(delivery_id)
                 assert leased.lease_expires_at is not None and none_yet == []
-        assert [f.result().retry_in for f in held] == [None, None]  # timed out; no retry scheduled (none left)
+        ended = [f.result() for f in held]  # timed out; no retry scheduled (none left)
+    assert [o.retry_in for o in ended] == [None, None]
+    # each end woke the oldest parked delivery in turn: the older first, whichever attempt ended first
+    woken = [o.wake for o in sorted(ended, key=lambda o: 0 if o.wake == older else 1)]
+    assert woken == [older, newer], (ended, older, newer)
     for delivery_id in held_ids:
         failed, attempts = row(delivery_id)
         assert failed.status == DeliveryStatus.FAILED and [a.n for a in attempts] == [1]
         assert attempts[0].finished_at is not None and other_attempts[0].finished_at is not None
         assert other_attempts[0].finished_at < attempts[0].finished_at
-    # the cap freed, the delivery put off makes its attempt when due: the first one it counts
-    due_at = row(third)[0].next_attempt_at
-    time.sleep(max(0.0, (due_at - utcnow()).total_seconds()))
-    assert deliver(third, settings=capped, render=job_payload).retry_in is None
-    ended, attempts = row(third)
-    assert [a.n for a in attempts] == [1] and ended.attempts == 1 and ended.deferrals == 1
-    assert ended.status == DeliveryStatus.FAILED  # the silent receiver is gone: connection refused
-    assert "ConnectError" in (attempts[0].error or "")
+    for parked_id in (older, newer):  # woken: due now, each makes its first attempt at once
+        assert row(parked_id)[0].next_attempt_at <= utcnow()
+        assert deliver(parked_id, settings=capped, render=job_payload).retry_in is None
+        done, attempts = row(parked_id)
+        assert [a.n for a in attempts] == [1] and done.attempts == 1 and done.deferrals == 1
+        assert done.parked_at is None
+        assert done.status == DeliveryStatus.FAILED  # the silent receiver is gone: connection refused
+        assert "ConnectError" in (attempts[0].error or "")
+
+
+def test_an_attempt_that_fails_inside_the_worker_before_sending_is_settled_not_left_claimed(
+    settings: Settings, receiver: Receiver
+) -> None:
+    """The claim commits on its own; a fault after it (here the job's rendering) is recorded as an attempt
+    that failed inside the service and retried on the schedule, not left holding the claim (and a place under
+    the tenant's cap) until its lease ends."""
+    delivery_id = ended_job_delivery(settings, receiver.on("/render-fails", 200))
+
+    def broken(*_args: Any) -> Any:
+        raise RuntimeError("boom")
+
+    outcome = deliver(delivery_id, settings=settings, render=broken)
+    delivery, attempts = row(delivery_id)
+    assert outcome.retry_in is not None and delivery.status == DeliveryStatus.PENDING
+    assert delivery.lease_expires_at is None and delivery.attempts == 1
+    assert [a.n for a in attempts] == [1] and "failed inside the service (RuntimeError)" in (attempts[0].error or "")
+    assert receiver.at("/render-fails") == []
+    assert deliver(delivery_id, settings=settings, render=job_payload).retry_in is None  # the retry delivers
+    assert row(delivery_id)[0].status == DeliveryStatus.DELIVERED
