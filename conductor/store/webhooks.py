@@ -248,6 +248,12 @@ CLAIM_EARLY_S = 1.0
 """A message may run this much before its attempt is due (the countdown and the row's clock differ)."""
 
 
+WAKE_HOLD_S = 30.0
+"""How long a parked delivery made due (woken, or back by itself) keeps its place from the tenant's newer
+deliveries while its message comes: the line goes by age. Past it (its message lost), newer ones go on and
+the reconciler sends it."""
+
+
 @dataclass(frozen=True)
 class Deferred:
     """A due attempt put off, not made: its tenant already had ``in_flight`` attempts in flight (its cap).
@@ -274,28 +280,36 @@ def claim_delivery(session: Session, *, delivery_id: str, lease_s: float, tenant
     across every worker: claims, and the ends of attempts that wake a parked delivery, take the tenant's
     lock in turn), the due attempt is put off instead: the delivery is parked in the tenant's line (kept in
     its place, by age, when it was parked already), its due time moves ``park_for`` later, no message is
-    noted as sent (the caller sends one for then, or the reconciler does), and ``Deferred`` is returned."""
+    noted as sent (the caller sends one for then, or the reconciler does), and ``Deferred`` is returned. An
+    older parked delivery that is due (woken, its message on the way) counts as in flight for a newer one:
+    a place freed goes to the oldest waiting, whichever message comes first."""
     now = utcnow()
     found = session.execute(
-        sa.select(col(WebhookDelivery.tenant))
+        sa.select(col(WebhookDelivery.tenant), col(WebhookDelivery.created_at))
         .where(col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.status) == DeliveryStatus.PENDING)
     ).first()
     if found is None:
         return None
-    tenant = str(found[0])
+    tenant, created_at = str(found[0]), found[1]
     early = now + timedelta(seconds=CLAIM_EARLY_S)
     free = sa.or_(col(WebhookDelivery.lease_expires_at).is_(None), col(WebhookDelivery.lease_expires_at) < now)
     claimable = (col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.status) == DeliveryStatus.PENDING,
                  col(WebhookDelivery.next_attempt_at) <= early, free)
     if tenant_max_in_flight is not None:
         lock_tenant_deliveries(session, tenant=tenant)
-        waits = sa.or_(col(WebhookDelivery.parked_at).is_not(None), col(WebhookDelivery.next_attempt_at) <= early)
-        in_flight, waiting = session.execute(
+        parked = col(WebhookDelivery.parked_at).is_not(None)
+        waits = sa.or_(parked, col(WebhookDelivery.next_attempt_at) <= early)
+        # older parked deliveries due now (woken, or back by themselves) hold their places until their
+        # message comes, for WAKE_HOLD_S at most (a wake whose message was lost is sent by the reconciler)
+        held_for_older = sa.and_(free, parked, col(WebhookDelivery.next_attempt_at) <= early,
+                                 col(WebhookDelivery.next_attempt_at) >= now - timedelta(seconds=WAKE_HOLD_S),
+                                 col(WebhookDelivery.created_at) < created_at)
+        in_flight, waiting, held = session.execute(
             sa.select(sa.func.count().filter(col(WebhookDelivery.lease_expires_at) >= now),
-                      sa.func.count().filter(sa.and_(free, waits)))
+                      sa.func.count().filter(sa.and_(free, waits)), sa.func.count().filter(held_for_older))
             .where(col(WebhookDelivery.tenant) == tenant, col(WebhookDelivery.status) == DeliveryStatus.PENDING)
         ).one()
-        if in_flight >= tenant_max_in_flight:
+        if in_flight + held >= tenant_max_in_flight:
             wait = park_for(waiting=waiting, cap=tenant_max_in_flight, attempt_s=attempt_s, jitter=jitter)
             put_off = session.execute(
                 sa.update(WebhookDelivery).where(*claimable).values(
@@ -394,7 +408,7 @@ def schedule_retry(session: Session, *, delivery_id: str, at: datetime, attempt:
         sa.update(WebhookDelivery)
         .where(col(WebhookDelivery.id) == delivery_id, col(WebhookDelivery.status) == DeliveryStatus.PENDING,
                col(WebhookDelivery.attempts) == attempt)
-        .values(next_attempt_at=at, lease_expires_at=None, sent_at=None, resends=0)
+        .values(next_attempt_at=at, lease_expires_at=None, sent_at=None, resends=0, parked_at=None)
     )
 
 

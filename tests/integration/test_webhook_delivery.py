@@ -431,3 +431,54 @@ def test_an_attempt_that_fails_inside_the_worker_before_sending_is_settled_not_l
     assert receiver.at("/render-fails") == []
     assert deliver(delivery_id, settings=settings, render=job_payload).retry_in is None  # the retry delivers
     assert row(delivery_id)[0].status == DeliveryStatus.DELIVERED
+
+
+def test_a_place_freed_goes_to_the_oldest_parked_delivery_whichever_message_comes_first(
+    settings: Settings, receiver: Receiver
+) -> None:
+    """Cap 1: a parked delivery woken by the end of its tenant's attempt keeps the freed place while its
+    message comes; a newer delivery whose message comes first is parked behind it, and woken by its end."""
+    from conductor.webhooks.deliver import _Answer, _settle
+
+    capped = settings.model_copy(update={"webhook_tenant_max_in_flight": 1})
+    tenant = f"hooks-line-{uuid.uuid4().hex[:8]}"
+    url = receiver.on("/line", 200)
+    first, older = (ended_job_delivery(capped, url, tenant=tenant) for _ in range(2))
+    with session_scope() as s:
+        in_flight = store.claim_delivery(s, delivery_id=first, lease_s=300, tenant_max_in_flight=1)
+    assert isinstance(in_flight, WebhookDelivery)
+    assert deliver(older, settings=capped, render=job_payload).retry_in is not None  # parked
+    newer = ended_job_delivery(capped, url, tenant=tenant)
+    ended = _settle(in_flight, utcnow(), _Answer(200, None, None), capped)  # the attempt in flight ends
+    assert ended.wake == older
+
+    put_off = deliver(newer, settings=capped, render=job_payload)  # the newer one's message comes first
+    waiting, attempts = row(newer)
+    # before: the newer one took the place, and the older one, woken, was parked again behind it
+    assert put_off.retry_in is not None and attempts == [] and waiting.parked_at is not None
+    done = deliver(older, settings=capped, render=job_payload)
+    assert row(older)[0].status == DeliveryStatus.DELIVERED and done.wake == newer
+    assert deliver(newer, settings=capped, render=job_payload).wake is None
+    assert row(newer)[0].status == DeliveryStatus.DELIVERED
+    assert [r.headers["webhook-id"] for r in receiver.at("/line")] == [older, newer]
+
+
+def test_a_retry_scheduled_for_a_parked_delivery_leaves_the_line(settings: Settings, receiver: Receiver) -> None:
+    """An attempt that outlived its lease, re-sent and parked meanwhile, then ends asking for a retry in an
+    hour: the delivery leaves the line (its retry is due in an hour), so no wake sends it before then."""
+    from conductor.webhooks.deliver import _Answer, _settle
+
+    capped = settings.model_copy(update={"webhook_tenant_max_in_flight": 1, "webhook_backoff_s": [0.0]})
+    tenant = f"hooks-retry-line-{uuid.uuid4().hex[:8]}"
+    late, other = (ended_job_delivery(capped, receiver.on("/retry-line", 200), tenant=tenant) for _ in range(2))
+    with session_scope() as s:
+        slow_attempt = store.claim_delivery(s, delivery_id=late, lease_s=0, tenant_max_in_flight=1)  # lease over
+    with session_scope() as s:
+        place_taker = store.claim_delivery(s, delivery_id=other, lease_s=300, tenant_max_in_flight=1)
+    assert isinstance(slow_attempt, WebhookDelivery) and isinstance(place_taker, WebhookDelivery)
+    assert deliver(late, settings=capped, render=job_payload).retry_in is not None  # re-sent: parked
+    assert row(late)[0].parked_at is not None and row(late)[0].attempts == 1
+    _settle(slow_attempt, utcnow(), _Answer(503, 3600.0, "HTTP 503"), capped)  # Retry-After: an hour
+    retrying = row(late)[0]
+    assert retrying.parked_at is None and retrying.next_attempt_at > utcnow() + timedelta(minutes=59)
+    assert _settle(place_taker, utcnow(), _Answer(200, None, None), capped).wake is None  # before: woke it
