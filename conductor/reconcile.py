@@ -15,6 +15,7 @@ waits out the visibility timeout, a send that failed after the commit). Each pas
   reads still gets its output file), batches past their completion window (expired), and cancellations
   interrupted midway;
 - trace-viewer sessions past their expiry (up to 1,000 a pass), whose keys may never sign in again;
+- deleted files' places in their tenants' lists kept past 7 days (up to 1,000 a pass);
 - jobs and webhook deliveries that ended and settled, folded into ``metrics_rollup`` in batches for up to
   ``METRICS_ROLLUP_BUDGET_S`` a pass (``roll_up_metrics``), so a ``/metrics`` scrape aggregates only
   the rows not folded yet.
@@ -46,6 +47,7 @@ from conductor.engine import Dispatch, advance, cancel_job, settle_from_children
 from conductor.settings import Settings
 from conductor.store import jobs as store
 from conductor.store import webhooks as webhook_store
+from conductor.store.batches import purge_deleted_files
 from conductor.store.db import driver_reason, session_scope, unreachable
 from conductor.store.keys import delete_expired_sessions
 from conductor.store.metrics import roll_up_deliveries, roll_up_jobs
@@ -184,6 +186,11 @@ def reconcile_once(settings: Settings, send: Callable[[Dispatch], Any] | None = 
             report["expired_viewer_sessions"] = delete_expired_sessions(s, now=now)
     except Exception as exc:  # housekeeping: never worth the pass's re-sends
         _failed("deleting expired viewer sessions", exc)
+    try:
+        with session_scope() as s:
+            report["forgotten_deleted_files"] = purge_deleted_files(s, now=now)
+    except Exception as exc:  # housekeeping: a place kept longer serves a cursor longer
+        _failed("forgetting deleted files' places", exc)
     try:
         report.update(reconcile_batches())
     except Exception as exc:  # the dispatch gathered above must still be sent; the batches are retried next pass

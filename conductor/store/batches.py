@@ -5,14 +5,23 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.orm import QueryableAttribute, defer
 from sqlmodel import Session, col, select
 
-from conductor.store.models import IN_FLIGHT_SQL, Batch, BatchRequest, BatchStatus, Job, JobStatus, StoredFile
+from conductor.store.models import (
+    IN_FLIGHT_SQL,
+    Batch,
+    BatchRequest,
+    BatchStatus,
+    DeletedFile,
+    Job,
+    JobStatus,
+    StoredFile,
+)
 
 _CONTENT = cast("QueryableAttribute[Any]", StoredFile.content)
 
@@ -50,24 +59,54 @@ def unfinished_lines(session: Session, *, tenant: str) -> int:
     return int(session.execute(stmt).scalar_one())
 
 
+DELETED_FILE_KEPT_S = 7 * 24 * 3600.0
+"""How long a deleted file's place in its tenant's list is kept (``DeletedFile``), so a list paged with it
+as the cursor goes on; later such a cursor is refused, naming ``after``."""
+
+
+class UnknownCursor(LookupError):
+    """A list's ``after`` is no file of the tenant's (nor one it deleted within ``DELETED_FILE_KEPT_S``)."""
+
+
 def delete_file(session: Session, *, file_id: str, tenant: str) -> bool:
-    deleted = session.execute(sa.delete(StoredFile).where(col(StoredFile.id) == file_id,
-                                                          col(StoredFile.tenant) == tenant))
-    return bool(getattr(deleted, "rowcount", 0))
+    """Deletes the file and its content, keeping where it stood in the tenant's list (``DeletedFile``)."""
+    deleted = session.execute(
+        sa.delete(StoredFile).where(col(StoredFile.id) == file_id, col(StoredFile.tenant) == tenant)
+        .returning(col(StoredFile.created_at))
+    ).first()
+    if deleted is None:
+        return False
+    session.add(DeletedFile(id=file_id, tenant=tenant, created_at=deleted[0]))
+    return True
+
+
+def purge_deleted_files(session: Session, *, now: datetime, limit: int = 1000) -> int:
+    """Forgets up to ``limit`` deleted files' places kept past ``DELETED_FILE_KEPT_S``; returns how many.
+    Rows another transaction holds are skipped, never waited for."""
+    old = (sa.select(col(DeletedFile.id))
+           .where(col(DeletedFile.deleted_at) <= now - timedelta(seconds=DELETED_FILE_KEPT_S))
+           .limit(limit).with_for_update(skip_locked=True).scalar_subquery())
+    result = session.execute(sa.delete(DeletedFile).where(col(DeletedFile.id).in_(old)))
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def list_files(
     session: Session, *, tenant: str, purpose: str | None, after: str | None, limit: int, newest_first: bool = True
 ) -> list[StoredFile]:
-    """``after`` is the id of the last file of the previous page (a cursor). The records only: a page of
-    a hundred files must not read a gigabyte of their content."""
+    """``after`` is the id of the last file of the previous page (a cursor): one of the tenant's files, or
+    one it deleted within ``DELETED_FILE_KEPT_S`` (the list goes on from where it stood), else
+    ``UnknownCursor``. The records only: a page of a hundred files must not read a gigabyte of their
+    content."""
     stmt = select(StoredFile).where(StoredFile.tenant == tenant).options(defer(_CONTENT))
     if purpose is not None:
         stmt = stmt.where(StoredFile.purpose == purpose)
     if after is not None:
-        cursor = get_file(session, file_id=after, tenant=tenant)
+        cursor: StoredFile | DeletedFile | None = get_file(session, file_id=after, tenant=tenant)
         if cursor is None:
-            return []
+            cursor = session.exec(select(DeletedFile).where(DeletedFile.id == after,
+                                                            DeletedFile.tenant == tenant)).first()
+        if cursor is None:
+            raise UnknownCursor(after)
         # a row comparison: an index scan of ix_stored_file_tenant_created_id starts at the cursor (the
         # equivalent OR of two comparisons cannot start one)
         position = sa.tuple_(col(StoredFile.created_at), col(StoredFile.id))

@@ -295,6 +295,20 @@ class StoredFile(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime()))
 
 
+class DeletedFile(SQLModel, table=True):
+    """Where a deleted file stood in its tenant's list of files, kept ``DELETED_FILE_KEPT_S`` (7 days): a
+    list paged with it as the cursor (a client deleting files as it pages through them, as the SDK's
+    auto-paging does) goes on from there instead of ending early."""
+
+    __tablename__ = "deleted_file"
+    __table_args__ = (sa.Index("ix_deleted_file_deleted_at", "deleted_at"),)
+
+    id: str = Field(primary_key=True, max_length=64)
+    tenant: str = Field(max_length=128)
+    created_at: datetime = _ts(nullable=False)
+    deleted_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
+
+
 class BatchStatus(StrEnum):
     IN_PROGRESS = "in_progress"
     CANCELLING = "cancelling"

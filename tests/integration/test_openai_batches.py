@@ -546,3 +546,26 @@ def test_cli_submit_batch_wait_writes_the_results(proc_env: dict[str, str], api:
                              env=env, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 1 and "1 of 6 requests failed" in resumed.stderr, resumed.stderr
     assert again.read_text() == results.read_text()
+
+
+def test_files_deleted_while_the_sdk_pages_through_them_are_all_deleted(api: str) -> None:
+    """``for f in client.files.list(): client.files.delete(f.id)``: each next page is asked for after the
+    previous page's last file, deleted by then; the list goes on from where it stood (before: an empty page,
+    and the loop ended with a page's worth deleted and the rest left). A cursor that never was one of the
+    tenant's files is refused, naming ``after``."""
+    with openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("tenant-file-cleanup"), max_retries=0) as client:
+        made = {client.files.create(file=(f"f{n}.jsonl", jsonl([chat_line("a", "x")])), purpose="batch").id
+                for n in range(7)}
+        deleted = set()
+        for file in client.files.list(limit=3):  # the SDK's auto-paging: three pages
+            assert client.files.delete(file.id).deleted
+            deleted.add(file.id)
+        assert deleted == made and client.files.list().data == []
+        for order in ("desc", "asc"):  # from a deleted file, either way: what stood after it (none left)
+            assert client.files.list(after=sorted(made)[0], order=order).data == []  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError) as unknown:
+            client.files.list(after="file-" + "0" * 32)
+        assert unknown.value.param == "after" and unknown.value.code == "invalid_cursor"
+        with (openai.OpenAI(base_url=f"{api}/v1", api_key=new_key("tenant-file-other"), max_retries=0) as other,
+              pytest.raises(openai.BadRequestError)):  # another tenant's deleted file is no cursor of its own
+            other.files.list(after=sorted(made)[0])

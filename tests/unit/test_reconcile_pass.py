@@ -18,7 +18,7 @@ from conductor.reconcile import reconcile_once
 from conductor.settings import Settings
 from conductor.store.db import session_scope
 from conductor.store.keys import create_key, create_session, delete_expired_sessions, tenant_for_session
-from conductor.store.models import Job, Step, UiSession, utcnow
+from conductor.store.models import DeletedFile, Job, Step, UiSession, utcnow
 from tests.sqlite_store import sqlite_store
 
 
@@ -69,6 +69,18 @@ def test_one_pass_deletes_at_most_its_limit(settings: Settings) -> None:
     with session_scope() as s:
         assert delete_expired_sessions(s, limit=10) == 3
     assert stored() == {}
+
+
+def test_a_pass_forgets_deleted_files_places_kept_past_a_week(settings: Settings) -> None:
+    now = utcnow()
+    with session_scope() as s:
+        for name, days in (("file-old", 8), ("file-recent", 1)):
+            s.add(DeletedFile(id=name, tenant="tenant-f", created_at=now - timedelta(days=30),
+                              deleted_at=now - timedelta(days=days)))
+    report, _ = reconcile_once(settings)
+    assert report["forgotten_deleted_files"] == 1
+    with session_scope() as s:
+        assert [row.id for row in s.exec(select(DeletedFile)).all()] == ["file-recent"]
 
 
 def test_an_orphan_that_cannot_be_cancelled_does_not_stop_the_pass(settings: Settings,

@@ -111,9 +111,15 @@ def list_files(
     order: Annotated[Literal["asc", "desc"], Query()] = "desc",
 ) -> FileList:
     """The tenant's files (batch inputs, and the output and error files of its batches), newest first by
-    default; pass the last id of a page as `after` for the next."""
-    files = store.list_files(session, tenant=tenant, purpose=purpose, after=after, limit=limit + 1,
-                             newest_first=order == "desc")
+    default; pass the last id of a page as `after` for the next (a file deleted since still serves, for 7
+    days: a client may delete the files as it pages through them)."""
+    try:
+        files = store.list_files(session, tenant=tenant, purpose=purpose, after=after, limit=limit + 1,
+                                 newest_first=order == "desc")
+    except store.UnknownCursor:
+        raise OpenAIError(400, f"after={after} is not one of your files (nor one deleted in the last 7 days): "
+                          "pass the last id of the previous page, or leave after out to list from the start",
+                          param="after", code="invalid_cursor") from None
     page = [file_object(f) for f in files[:limit]]
     return FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
                     has_more=len(files) > limit)
