@@ -183,6 +183,26 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
         assert s.exec(select(UiSession).where(UiSession.key_id == key_id)).all() == []
 
 
+def test_a_session_cookie_sent_twice_signs_no_one_in(api: str, diamond: str) -> None:
+    """A sibling subdomain's site can set ``conductor_session`` for the parent domain (Path=/); the browser
+    then sends it after the viewer's own (Path=/ui), and the last one used to win: the viewer showed the
+    planting site's tenant. Sent twice, the cookie signs no one in, and the login page says why."""
+    mine, planted = (_session_cookie(api, new_key(tenant), {}).split(";")[0].split("=", 1)[1]
+                     for tenant in ("tenant-a", "tenant-planted"))
+    html = {"Accept": "text/html"}
+    with httpx.Client(base_url=api, timeout=30) as browser:
+        alone = browser.get(f"/ui/jobs/{diamond}", headers={**html, "Cookie": f"conductor_session={mine}"})
+        assert alone.status_code == 200
+        both = browser.get("/ui/jobs", headers={**html, "Cookie": f"conductor_session={mine}; "
+                                                                  f"conductor_session={planted}"})
+        assert both.status_code == 401 and 'action="/ui/login"' in both.text  # before: tenant-planted's jobs
+        assert "two conductor_session cookies" in both.text
+        logout = browser.post("/ui/logout", follow_redirects=False, headers={
+            "Origin": api, "Cookie": f"conductor_session={mine}; conductor_session={planted}"})
+        assert logout.status_code == 303  # neither session ended: which one the browser meant is unknown
+        assert browser.get("/ui/jobs", headers={**html, "Cookie": f"conductor_session={planted}"}).status_code == 200
+
+
 def _session_cookie(api: str, key: str, headers: dict[str, str]) -> str:
     with httpx.Client(base_url=api, timeout=30) as http:
         signed_in = http.post("/ui/login", data={"key": key}, headers=headers, follow_redirects=False)

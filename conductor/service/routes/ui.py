@@ -86,10 +86,25 @@ def _tenant(request: Request, session: Session, settings: Settings, authorizatio
         return resolve_tenant(session, settings, authorization)
     if not settings.auth_required:
         return resolve_tenant(session, settings, None)
-    token = request.cookies.get(COOKIE)
-    if not token or len(token) > MAX_KEY_CHARS:
+    token = _session_token(request)
+    if token is None:
         return None
     return tenant_for_session(session, token=token, pepper=settings.api_key_pepper)  # None: sign in again
+
+
+def _session_token(request: Request) -> str | None:
+    """The session cookie's token; None when there is none, it is too long, or the cookie was sent twice.
+    Twice: one was set by another site for a parent domain (``Domain=.example.com``, from a sibling
+    subdomain), and of two the last wins (Starlette), which the browser sends when its path is shorter: the
+    viewer would show the planting site's tenant, a sign-in by another door. Refused rather than guessed."""
+    if _session_cookies(request) > 1:
+        return None
+    token = request.cookies.get(COOKIE)
+    return token if token and len(token) <= MAX_KEY_CHARS else None
+
+
+def _session_cookies(request: Request) -> int:
+    return sum(part.strip().startswith(COOKIE + "=") for part in request.headers.get("cookie", "").split(";"))
 
 
 def _to_login(request: Request) -> Response:
@@ -97,7 +112,8 @@ def _to_login(request: Request) -> Response:
         raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <key>', or sign in at /ui/login",
                       headers={"WWW-Authenticate": "Bearer"})
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    login = _page("login.html", 401, next=_safe_next(target), error=None, max_key=MAX_KEY_CHARS)
+    error = TWO_COOKIES if _session_cookies(request) > 1 else None
+    login = _page("login.html", 401, next=_safe_next(target), error=error, max_key=MAX_KEY_CHARS)
     return login
 
 
@@ -116,6 +132,8 @@ def _secure_cookie(request: Request, settings: Settings) -> bool:
 
 AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
 CROSS_SITE = "Refused: the form was sent from another site. Sign in from this page."
+TWO_COOKIES = (f"Refused: your browser sent two {COOKIE} cookies, one of them set by another site of a parent "
+               "domain. Clear this site's cookies (and that domain's), then sign in.")
 
 
 def _cross_site(request: Request) -> bool:
@@ -189,8 +207,8 @@ def login(
 def logout(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
     if _cross_site(request):
         return _page("login.html", 403, next="/ui/jobs", error=CROSS_SITE, max_key=MAX_KEY_CHARS)
-    token = request.cookies.get(COOKIE)
-    if token and len(token) <= MAX_KEY_CHARS:
+    token = _session_token(request)
+    if token is not None:
         end_session(session, token=token, pepper=settings.api_key_pepper)  # the token stops working, copies too
         session.commit()
     response = RedirectResponse("/ui/login", status_code=303)
