@@ -33,6 +33,9 @@ def test_docs_pins_its_assets_with_integrity_hashes() -> None:
     page = client.get("/docs")
     assert page.status_code == 200
     assert page.headers["referrer-policy"] == "no-referrer"
+    # no other site frames it (its Authorize box holds a key), as the viewer's pages
+    assert page.headers["content-security-policy"] == "frame-ancestors 'none'"
+    assert page.headers["x-frame-options"] == "DENY"
     parser = _Resources()
     parser.feed(page.text)
     remote = [(url, fields) for url, fields in parser.found if not url.startswith(("/", "data:"))]
