@@ -293,6 +293,12 @@ def test_the_file_is_refused_whole_for_duplicates_and_malformed_lines(oai: opena
     with pytest.raises(openai.BadRequestError):
         oai.batches.create(input_file_id="file-" + "0" * 32, endpoint="/v1/embeddings",  # type: ignore[arg-type]
                            completion_window="24h")
+    before = {f.id for f in oai.files.list(limit=100)}
+    with pytest.raises(openai.BadRequestError) as expiring:  # before: accepted, and the file never expired
+        oai.files.create(file=("e.jsonl", jsonl([chat_line("a", "x")])), purpose="batch",
+                         expires_after={"anchor": "created_at", "seconds": 3600})
+    assert expiring.value.param == "expires_after" and "kept until deleted" in expiring.value.message
+    assert {f.id for f in oai.files.list(limit=100)} == before  # nothing stored
 
 
 def test_another_tenant_sees_404(oai: openai.OpenAI, stranger: openai.OpenAI) -> None:

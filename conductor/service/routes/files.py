@@ -72,12 +72,19 @@ def upload_file(
     session: SessionDep,
     tenant: TenantDep,
     settings: SettingsDep,
+    expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]", max_length=64)] = None,
+    expires_seconds: Annotated[str | None, Form(alias="expires_after[seconds]", max_length=64)] = None,
 ) -> FileObject:
     """A batch input file (`purpose` must be `batch`): JSONL, one request per line,
-    `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/responses" | "/v1/jobs", "body"}`."""
+    `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/responses" | "/v1/jobs", "body"}`.
+    Files are kept until deleted: `expires_after` is refused, not ignored."""
     if purpose != "batch":
         raise OpenAIError(400, f"purpose '{purpose}' is not supported here; use 'batch'", param="purpose",
                           code="invalid_purpose")
+    if expires_anchor is not None or expires_seconds is not None:
+        raise OpenAIError(400, "expires_after is not supported: files are kept until deleted (DELETE "
+                          "/v1/files/{file_id}); leave it out and delete the file when done with it",
+                          param="expires_after", code="unsupported_parameter")
     content = file.file.read(settings.batch_max_file_bytes + 1)
     filename = file.filename or "batch.jsonl"
     if unstorable(filename):
