@@ -169,6 +169,7 @@ def test_viewer_auth_and_tenancy_over_http(api: str, diamond: str) -> None:
         assert http.post("/ui/login", data={"key": key}, headers=same, follow_redirects=False).status_code == 303
         second = http.cookies["conductor_session"]
         assert with_cookie(second).status_code == 200
+        assert with_cookie(copied).status_code == 401  # signing in again ended the session it replaced
         assert http.post("/ui/logout", headers={"Origin": api}, follow_redirects=False).status_code == 303
         assert with_cookie(second).status_code == 401
         http.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
@@ -231,10 +232,10 @@ def test_the_session_cookie_is_secure_behind_an_https_proxy_the_api_does_not_tru
 
 def test_expired_viewer_sessions_are_deleted_and_live_ones_kept_on_postgres(api: str) -> None:
     key = new_key("tenant-expiring")
-    with httpx.Client(base_url=api, timeout=30) as http:
+    with httpx.Client(base_url=api, timeout=30) as http, httpx.Client(base_url=api, timeout=30) as other_browser:
         http.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
         live = http.cookies["conductor_session"]
-        http.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
+        other_browser.post("/ui/login", data={"key": key, "next": "/ui/jobs"})  # a second browser: its own
     with session_scope() as s:
         key_id = s.exec(select(ApiKey.id).where(ApiKey.prefix == key[:10])).one()
         rows = s.exec(select(UiSession).where(UiSession.key_id == key_id)).all()

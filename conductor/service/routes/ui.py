@@ -183,6 +183,9 @@ def login(
     if not settings.auth_required:  # every caller is the default tenant: nothing to remember
         return RedirectResponse(_safe_next(next), status_code=303)
     signed_in = create_session(session, key=key.strip(), pepper=settings.api_key_pepper, ttl_s=COOKIE_MAX_AGE_S)
+    replaced = _session_token(request)
+    if signed_in is not None and replaced is not None:  # the browser's earlier session ends with its cookie
+        end_session(session, token=replaced, pepper=settings.api_key_pepper)
     session.commit()
     if signed_in is None:  # a failed lookup like the API's, counted against the address
         try:
