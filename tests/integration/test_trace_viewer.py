@@ -197,18 +197,40 @@ def test_a_session_cookie_sent_twice_signs_no_one_in(api: str, diamond: str) -> 
         both = browser.get("/ui/jobs", headers={**html, "Cookie": f"conductor_session={mine}; "
                                                                   f"conductor_session={planted}"})
         assert both.status_code == 401 and 'action="/ui/login"' in both.text  # before: tenant-planted's jobs
-        assert "two conductor_session cookies" in both.text
+        assert "two session cookies" in both.text
+        spaced = browser.get("/ui/jobs", headers={**html, "Cookie": f"conductor_session={mine}; "
+                                                                    f"conductor_session ={planted}"})
+        assert spaced.status_code == 401  # read as Starlette reads names (stripped): twice still
         logout = browser.post("/ui/logout", follow_redirects=False, headers={
             "Origin": api, "Cookie": f"conductor_session={mine}; conductor_session={planted}"})
-        assert logout.status_code == 303  # neither session ended: which one the browser meant is unknown
-        assert browser.get("/ui/jobs", headers={**html, "Cookie": f"conductor_session={planted}"}).status_code == 200
+        assert logout.status_code == 303  # both sessions ended (ending one needs its token, nothing more)
+        for token in (mine, planted):
+            page = browser.get("/ui/jobs", headers={**html, "Cookie": f"conductor_session={token}"})
+            assert page.status_code == 401, token  # before: the user's own stayed valid for its 8 hours
+
+
+def test_over_https_the_session_cookie_cannot_be_planted(api: str) -> None:
+    """Over https the viewer reads only ``__Host-conductor_session``, which browsers let no other site set:
+    a plain ``conductor_session`` planted for the parent domain, even alone (the viewer's own cookie gone,
+    after a logout), signs no one in (before: the planting site's tenant)."""
+    proxied = {"X-Forwarded-Proto": "https"}  # from loopback, which uvicorn trusts with it by default
+    html = {"Accept": "text/html", **proxied}
+    planted = _session_cookie(api, new_key("tenant-planted"), {}).split(";")[0].split("=", 1)[1]  # over http
+    mine = _session_cookie(api, new_key("tenant-a"), proxied).split(";")[0].split("=", 1)[1]
+    with httpx.Client(base_url=api, timeout=30) as browser:
+        alone = browser.get("/ui/jobs", headers={**html, "Cookie": f"conductor_session={planted}"})
+        assert alone.status_code == 401 and 'action="/ui/login"' in alone.text
+        own = browser.get("/ui/jobs", headers={**html, "Cookie": f"__Host-conductor_session={mine}; "
+                                                                 f"conductor_session={planted}"})
+        assert own.status_code == 200 and "tenant-a" in own.text
 
 
 def _session_cookie(api: str, key: str, headers: dict[str, str]) -> str:
     with httpx.Client(base_url=api, timeout=30) as http:
         signed_in = http.post("/ui/login", data={"key": key}, headers=headers, follow_redirects=False)
     assert signed_in.status_code == 303, signed_in.text
-    return next(c for c in signed_in.headers.get_list("set-cookie") if c.startswith("conductor_session="))
+    return next(c for c in signed_in.headers.get_list("set-cookie")
+                if c.startswith(("conductor_session=", "__Host-conductor_session=")) and "max-age=0" not in c.lower())
 
 
 def test_the_session_cookie_is_secure_behind_an_https_proxy_the_api_does_not_trust(
@@ -217,8 +239,12 @@ def test_the_session_cookie_is_secure_behind_an_https_proxy_the_api_does_not_tru
     proxied = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.7"}
     # By default Secure follows the scheme: plain http without it, https through a proxy on loopback (the
     # one address uvicorn trusts with X-Forwarded-Proto by default) with it.
-    assert "secure" not in _session_cookie(api, key, {}).lower()
-    assert "; secure" in _session_cookie(api, key, proxied).lower()
+    plain = _session_cookie(api, key, {})
+    assert "secure" not in plain.lower() and plain.startswith("conductor_session=") and "path=/ui" in plain.lower()
+    over_https = _session_cookie(api, key, proxied)
+    # over https no other site can set it: the __Host- prefix (Secure, host-only, Path=/), not /ui
+    assert "; secure" in over_https.lower() and over_https.startswith("__Host-conductor_session=")
+    assert "path=/;" in over_https.lower() and "domain" not in over_https.lower()
     # A proxy elsewhere (docker-compose's published port is reached from the Docker network) is not trusted:
     # the scheme stays http, and the cookie went to browsers on https without Secure. The setting says so.
     env = {**proc_env, "FORWARDED_ALLOW_IPS": "192.0.2.1", "CONDUCTOR_UI_COOKIE_SECURE": "true"}

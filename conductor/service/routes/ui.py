@@ -4,8 +4,10 @@
 as a graph, a timeline of steps and attempts, tokens and cost per step, the exact messages each worker
 saw, and recursive steps' child jobs nested. Same auth as the API: an ``Authorization: Bearer`` header,
 or for a browser the key posted once to ``/ui/login`` (a form post, so the key never appears in a URL or
-an access log), which sets an HttpOnly, SameSite=Strict cookie scoped to ``/ui`` holding a session token
-(random; only its keyed hash is stored, in ``ui_session``; not the key, which would also open the API).
+an access log), which sets an HttpOnly, SameSite=Strict cookie holding a session token (random; only its
+keyed hash is stored, in ``ui_session``; not the key, which would also open the API): over https
+``__Host-conductor_session`` (Secure, host-only, Path=/: no other site can set it), over plain http
+``conductor_session`` scoped to ``/ui``.
 A session ends after ``COOKIE_MAX_AGE_S``, at logout, or when its key is revoked. Every value from
 a user or a model is escaped by the templates (Jinja autoescape) and the pages forbid scripts (CSP).
 """
@@ -33,6 +35,10 @@ from conductor.store.models import JobStatus, utcnow
 router = APIRouter(prefix="/ui", include_in_schema=True, tags=["ui"])
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 COOKIE = "conductor_session"
+"""The session cookie over plain http (Path=/ui)."""
+SECURE_COOKIE = "__Host-conductor_session"
+"""The session cookie when it is ``Secure`` (over https): the ``__Host-`` prefix makes browsers refuse it
+unless it is Secure, host-only and Path=/, so no other site, a sibling subdomain's included, can set it."""
 OLD_COOKIE = "conductor_key"
 """Held the API key itself before sessions: cleared at login and logout."""
 COOKIE_MAX_AGE_S = 8 * 3600
@@ -86,33 +92,46 @@ def _tenant(request: Request, session: Session, settings: Settings, authorizatio
         return resolve_tenant(session, settings, authorization)
     if not settings.auth_required:
         return resolve_tenant(session, settings, None)
-    token = _session_token(request)
+    token = _session_token(request, settings)
     if token is None:
         return None
     return tenant_for_session(session, token=token, pepper=settings.api_key_pepper)  # None: sign in again
 
 
-def _session_token(request: Request) -> str | None:
+def _cookie_name(request: Request, settings: Settings) -> str:
+    """``SECURE_COOKIE`` where the cookie is Secure, else ``COOKIE``; a plain one sent over https (set by
+    another site for a parent domain, or left from before) is not read there."""
+    return SECURE_COOKIE if _secure_cookie(request, settings) else COOKIE
+
+
+def _session_tokens(request: Request, settings: Settings) -> list[str]:
+    """Every value of the session cookie the request sent, read by Starlette's rule (the name is what comes
+    before the first ``=``, stripped), each at most ``MAX_KEY_CHARS``."""
+    name = _cookie_name(request, settings)
+    values = []
+    for part in request.headers.get("cookie", "").split(";"):
+        key, eq, value = part.partition("=")
+        if eq and key.strip() == name:
+            values.append(value.strip())
+    return [v for v in values if v and len(v) <= MAX_KEY_CHARS]
+
+
+def _session_token(request: Request, settings: Settings) -> str | None:
     """The session cookie's token; None when there is none, it is too long, or the cookie was sent twice.
     Twice: one was set by another site for a parent domain (``Domain=.example.com``, from a sibling
-    subdomain), and of two the last wins (Starlette), which the browser sends when its path is shorter: the
-    viewer would show the planting site's tenant, a sign-in by another door. Refused rather than guessed."""
-    if _session_cookies(request) > 1:
-        return None
-    token = request.cookies.get(COOKIE)
-    return token if token and len(token) <= MAX_KEY_CHARS else None
+    subdomain: possible over plain http, where the cookie cannot carry the ``__Host-`` prefix), and of two
+    the last wins (Starlette), which the browser sends when its path is shorter: the viewer would show the
+    planting site's tenant, a sign-in by another door. Refused rather than guessed."""
+    tokens = _session_tokens(request, settings)
+    return tokens[0] if len(tokens) == 1 else None
 
 
-def _session_cookies(request: Request) -> int:
-    return sum(part.strip().startswith(COOKIE + "=") for part in request.headers.get("cookie", "").split(";"))
-
-
-def _to_login(request: Request) -> Response:
+def _to_login(request: Request, settings: Settings) -> Response:
     if not _wants_html(request):
         raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <key>', or sign in at /ui/login",
                       headers={"WWW-Authenticate": "Bearer"})
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    error = TWO_COOKIES if _session_cookies(request) > 1 else None
+    error = TWO_COOKIES if len(_session_tokens(request, settings)) > 1 else None
     login = _page("login.html", 401, next=_safe_next(target), error=error, max_key=MAX_KEY_CHARS)
     return login
 
@@ -132,7 +151,7 @@ def _secure_cookie(request: Request, settings: Settings) -> bool:
 
 AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
 CROSS_SITE = "Refused: the form was sent from another site. Sign in from this page."
-TWO_COOKIES = (f"Refused: your browser sent two {COOKIE} cookies, one of them set by another site of a parent "
+TWO_COOKIES = ("Refused: your browser sent two session cookies, one of them set by another site of a parent "
                "domain. Clear this site's cookies (and that domain's), then sign in.")
 
 
@@ -183,9 +202,9 @@ def login(
     if not settings.auth_required:  # every caller is the default tenant: nothing to remember
         return RedirectResponse(_safe_next(next), status_code=303)
     signed_in = create_session(session, key=key.strip(), pepper=settings.api_key_pepper, ttl_s=COOKIE_MAX_AGE_S)
-    replaced = _session_token(request)
-    if signed_in is not None and replaced is not None:  # the browser's earlier session ends with its cookie
-        end_session(session, token=replaced, pepper=settings.api_key_pepper)
+    if signed_in is not None:  # the browser's earlier session ends with its cookie (each, if it sent two)
+        for replaced in _session_tokens(request, settings):
+            end_session(session, token=replaced, pepper=settings.api_key_pepper)
     session.commit()
     if signed_in is None:  # a failed lookup like the API's, counted against the address
         try:
@@ -199,8 +218,13 @@ def login(
         return _page("login.html", 401, next=_safe_next(next), error="Unknown or revoked API key.",
                      max_key=MAX_KEY_CHARS)
     response = RedirectResponse(_safe_next(next), status_code=303)
-    response.set_cookie(COOKIE, signed_in[1], max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
-                        samesite="strict", secure=_secure_cookie(request, settings))
+    if _secure_cookie(request, settings):  # host-only, Path=/ as the prefix requires
+        response.set_cookie(SECURE_COOKIE, signed_in[1], max_age=COOKIE_MAX_AGE_S, path="/", httponly=True,
+                            samesite="strict", secure=True)
+        response.delete_cookie(COOKIE, path="/ui")  # one set before, over https without the prefix
+    else:
+        response.set_cookie(COOKIE, signed_in[1], max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
+                            samesite="strict", secure=False)
     response.delete_cookie(OLD_COOKIE, path="/ui")
     return response
 
@@ -210,12 +234,14 @@ def login(
 def logout(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
     if _cross_site(request):
         return _page("login.html", 403, next="/ui/jobs", error=CROSS_SITE, max_key=MAX_KEY_CHARS)
-    token = _session_token(request)
-    if token is not None:
+    tokens = _session_tokens(request, settings)  # each, if two were sent: ending one needs its token only
+    for token in tokens:
         end_session(session, token=token, pepper=settings.api_key_pepper)  # the token stops working, copies too
-        session.commit()
+    session.commit()
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
+    if _secure_cookie(request, settings):
+        response.delete_cookie(SECURE_COOKIE, path="/", secure=True, httponly=True, samesite="strict")
     response.delete_cookie(OLD_COOKIE, path="/ui")
     return response
 
@@ -231,7 +257,7 @@ def jobs_page(
 ) -> Response:
     tenant = _tenant(request, session, settings, authorization)
     if tenant is None:
-        return _to_login(request)
+        return _to_login(request, settings)
     jobs = store.list_jobs(session, tenant=tenant, where=store.JobFilter(statuses=(status,) if status else ()),
                            limit=limit)
     return _page("jobs.html", jobs=jobs, status=status.value if status else None,
@@ -248,7 +274,7 @@ def job_page(
 ) -> Response:
     tenant = _tenant(request, session, settings, authorization)
     if tenant is None:
-        return _to_login(request)
+        return _to_login(request, settings)
     job = store.get_job(session, job_id=job_id, tenant=tenant) if JOB_ID_RE.fullmatch(job_id) else None
     if job is None:
         shown = job_id if JOB_ID_RE.fullmatch(job_id) else "(malformed id)"
