@@ -298,6 +298,10 @@ def test_the_file_is_refused_whole_for_duplicates_and_malformed_lines(oai: opena
         oai.files.create(file=("e.jsonl", jsonl([chat_line("a", "x")])), purpose="batch",
                          expires_after={"anchor": "created_at", "seconds": 3600})
     assert expiring.value.param == "expires_after" and "kept until deleted" in expiring.value.message
+    with pytest.raises(openai.BadRequestError) as flat:  # as a client writing the form by hand might send it
+        oai.files.create(file=("e.jsonl", jsonl([chat_line("a", "x")])), purpose="batch",
+                         extra_body={"expires_after": '{"anchor": "created_at", "seconds": 3600}'})
+    assert flat.value.param == "expires_after"
     assert {f.id for f in oai.files.list(limit=100)} == before  # nothing stored
 
 

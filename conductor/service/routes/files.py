@@ -74,6 +74,7 @@ def upload_file(
     settings: SettingsDep,
     expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]", max_length=64)] = None,
     expires_seconds: Annotated[str | None, Form(alias="expires_after[seconds]", max_length=64)] = None,
+    expires_after: Annotated[str | None, Form(max_length=1024)] = None,
 ) -> FileObject:
     """A batch input file (`purpose` must be `batch`): JSONL, one request per line,
     `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/responses" | "/v1/jobs", "body"}`.
@@ -81,7 +82,7 @@ def upload_file(
     if purpose != "batch":
         raise OpenAIError(400, f"purpose '{purpose}' is not supported here; use 'batch'", param="purpose",
                           code="invalid_purpose")
-    if expires_anchor is not None or expires_seconds is not None:
+    if expires_anchor is not None or expires_seconds is not None or expires_after is not None:
         raise OpenAIError(400, "expires_after is not supported: files are kept until deleted (DELETE "
                           "/v1/files/{file_id}); leave it out and delete the file when done with it",
                           param="expires_after", code="unsupported_parameter")
