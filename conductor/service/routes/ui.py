@@ -8,7 +8,8 @@ an access log), which sets an HttpOnly, SameSite=Strict cookie holding a session
 keyed hash is stored, in ``ui_session``; not the key, which would also open the API): over https
 ``__Host-conductor_session`` (Secure, host-only, Path=/: no other site can set it), over plain http
 ``conductor_session`` scoped to ``/ui``.
-A session ends after ``COOKIE_MAX_AGE_S``, at logout, or when its key is revoked. Every value from
+A session ends after ``COOKIE_MAX_AGE_S``, at logout, when its browser signs in again, or when its key is
+revoked. Every value from
 a user or a model is escaped by the templates (Jinja autoescape) and the pages forbid scripts (CSP).
 """
 
@@ -100,19 +101,28 @@ def _tenant(request: Request, session: Session, settings: Settings, authorizatio
 
 def _cookie_name(request: Request, settings: Settings) -> str:
     """``SECURE_COOKIE`` where the cookie is Secure, else ``COOKIE``; a plain one sent over https (set by
-    another site for a parent domain, or left from before) is not read there."""
-    return SECURE_COOKIE if _secure_cookie(request, settings) else COOKIE
+    another site for a parent domain, or left from before) is not read there. Except on plain http to a
+    loopback host (an SSH tunnel with ``CONDUCTOR_UI_COOKIE_SECURE=true``): Chrome keeps a Secure cookie
+    there but refuses a ``__Host-`` one, so the user could never stay signed in; no other site can set a
+    cookie for a loopback host."""
+    if not _secure_cookie(request, settings):
+        return COOKIE
+    host = (request.url.hostname or "").lower()
+    loopback = host in ("localhost", "127.0.0.1", "::1", "[::1]") or host.endswith(".localhost")
+    return COOKIE if request.url.scheme == "http" and loopback else SECURE_COOKIE
 
 
 def _session_tokens(request: Request, settings: Settings) -> list[str]:
-    """Every value of the session cookie the request sent, read by Starlette's rule (the name is what comes
-    before the first ``=``, stripped), each at most ``MAX_KEY_CHARS``."""
+    """Every value of the session cookie the request sent (the name is what comes before the first ``=``,
+    spaces and tabs around it ignored, as browsers and Starlette do), each at most ``MAX_KEY_CHARS``."""
     name = _cookie_name(request, settings)
     values = []
     for part in request.headers.get("cookie", "").split(";"):
         key, eq, value = part.partition("=")
-        if eq and key.strip() == name:
-            values.append(value.strip())
+        # spaces and tabs only: a name behind another character (a control character, which str.strip
+        # also removes) is another name to a browser, one a sibling subdomain could set
+        if eq and key.strip(" \t") == name:
+            values.append(value.strip(" \t"))
     return [v for v in values if v and len(v) <= MAX_KEY_CHARS]
 
 
@@ -218,13 +228,13 @@ def login(
         return _page("login.html", 401, next=_safe_next(next), error="Unknown or revoked API key.",
                      max_key=MAX_KEY_CHARS)
     response = RedirectResponse(_safe_next(next), status_code=303)
-    if _secure_cookie(request, settings):  # host-only, Path=/ as the prefix requires
+    if _cookie_name(request, settings) == SECURE_COOKIE:  # host-only, Path=/ as the prefix requires
         response.set_cookie(SECURE_COOKIE, signed_in[1], max_age=COOKIE_MAX_AGE_S, path="/", httponly=True,
                             samesite="strict", secure=True)
         response.delete_cookie(COOKIE, path="/ui")  # one set before, over https without the prefix
     else:
         response.set_cookie(COOKIE, signed_in[1], max_age=COOKIE_MAX_AGE_S, path="/ui", httponly=True,
-                            samesite="strict", secure=False)
+                            samesite="strict", secure=_secure_cookie(request, settings))
     response.delete_cookie(OLD_COOKIE, path="/ui")
     return response
 
@@ -240,7 +250,7 @@ def logout(request: Request, session: SessionDep, settings: SettingsDep) -> Resp
     session.commit()
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
-    if _secure_cookie(request, settings):
+    if _cookie_name(request, settings) == SECURE_COOKIE:
         response.delete_cookie(SECURE_COOKIE, path="/", secure=True, httponly=True, samesite="strict")
     response.delete_cookie(OLD_COOKIE, path="/ui")
     return response
