@@ -104,10 +104,8 @@ def send_webhooks_of(job_id: str) -> None:
     down, the reconciler sends it later."""
     with session_scope() as s:
         owed = webhook_store.pending_unsent(s, job_id=job_id)
-    try:
-        send(Dispatch(webhooks=owed))
-    except Exception as exc:  # any broker failure: the outbox row stays and the reconciler sends it
-        log.warning("webhook of job %s not yet enqueued (%s); the reconciler will send it", job_id, type(exc).__name__)
+    if owed:
+        send_webhooks(owed)
 
 
 def enqueue_plan(job_id: str, *, recorded: bool = False, background: bool = False) -> bool:
